@@ -1,0 +1,89 @@
+"""`kimi_delta_attention`: the stable signature behind which every KDA implementation sits.
+
+Every implementation module exposes one function with the keyword signature of
+`reference.kda_reference` (q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size,
+return_chunk_states). The fused options (gate and L2 norm inside the kernel) are resolved here
+for implementations that do not fuse them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+
+IMPLS = ("auto", "reference", "chunked", "pallas")
+_MODULES = {
+    "reference": ("ling_jax.ops.kda.reference", "kda_reference"),
+    "chunked": ("ling_jax.ops.kda.chunked", "kda_chunked"),
+    "pallas": ("ling_jax.ops.kda.pallas", "kda_pallas"),
+}
+
+
+def resolve_impl(impl: str) -> str:
+    """Maps `auto` to the fastest implementation of the default backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "chunked"
+
+
+def kimi_delta_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    impl: str = "auto",
+    chunk_size: int = 64,
+    segment_ids: jax.Array | None = None,
+    return_chunk_states: bool = False,
+    use_qk_l2norm: bool = False,
+    a_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = -5.0,
+) -> tuple[jax.Array, ...]:
+    """Gated delta-rule attention with per-channel decay (ARCHITECTURE.md §2.4 step 9).
+
+    q, k: [B, T, H, K] (used as given unless `use_qk_l2norm`); v: [B, T, H, V];
+    g: [B, T, H, K] log decay <= 0, or, when `a_log` is given, the gate pre-activation from which
+    the gate `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))` is computed; beta: [B, T, H];
+    initial_state: [B, H, K, V] float32; segment_ids: [B, T] int, the state restarts from zero
+    where the id changes (packed documents).
+    Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
+    entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
+    """
+    impl = resolve_impl(impl)
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
+    if v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H]; got {v.shape}, {beta.shape}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    module, name = _MODULES[impl]
+    fn = getattr(importlib.import_module(module), name)
+    fused = getattr(fn, "fuses_gate_and_norm", False)
+    kwargs = dict(
+        scale=scale,
+        initial_state=initial_state,
+        segment_ids=segment_ids,
+        chunk_size=chunk_size,
+        return_chunk_states=return_chunk_states,
+    )
+    if fused:
+        return fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                  lower_bound=lower_bound, **kwargs)
+    if a_log is not None:
+        if dt_bias is None:
+            raise ValueError("a_log given without dt_bias")
+        g = kda_gate(g, a_log, dt_bias, lower_bound)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return fn(q, k, v, g, beta, **kwargs)
