@@ -26,6 +26,6 @@ def kda_gate(
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (returned in x's dtype)."""
+    """x / sqrt(sum(x^2) + eps) over the last axis, computed and returned in float32."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)

@@ -1,0 +1,8 @@
+"""ling-jax: Ling-3 (BailingMoeV3) models in JAX — the public API of ../shared/spec/API.md."""
+
+from ling_jax import ops
+from ling_jax.checkpoint.hf import load_hf_checkpoint
+from ling_jax.config import LingConfig
+from ling_jax.model import forward, forward_with_mtp
+
+__all__ = ["LingConfig", "forward", "forward_with_mtp", "load_hf_checkpoint", "ops"]

@@ -1,0 +1,178 @@
+"""Reading and writing safetensors files tensor by tensor, FP8 included.
+
+The `safetensors` package cannot read F8_E4M3 (toolchain.md §5), so reading is done here: the file
+is an 8-byte little-endian header length, a JSON header of `{name: {dtype, shape, data_offsets}}`,
+then raw little-endian data. Each tensor is a zero-copy `np.memmap` view, so a checkpoint of any
+size is read one tensor at a time. Headers are validated against the file size up front, so a
+truncated file fails before anything is loaded, naming the file and the first tensor it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked; the message names the file or tensor."""
+
+
+class SafetensorsFile:
+    """One .safetensors file: its validated header and memory-mapped tensors."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file not found") from None
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: truncated (no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(f"{self.path}: truncated or not a safetensors file (header of {n} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        self.header: dict[str, dict] = header
+        for name, info in header.items():
+            if info.get("dtype") not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info.get('dtype')}")
+            begin, end = info["data_offsets"]
+            want = DTYPES[info["dtype"]].itemsize * int(np.prod(info["shape"], dtype=np.int64))
+            if end - begin != want:
+                raise CheckpointError(f"{self.path}: tensor {name} has {end - begin} bytes, its shape needs {want}")
+            if self.data_start + end > size:
+                raise CheckpointError(
+                    f"{self.path}: truncated: tensor {name} ends at byte {self.data_start + end}, "
+                    f"the file has {size}"
+                )
+        self._map: np.memmap | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def dtype_name(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only memory-mapped view of tensor `name` (no copy until used)."""
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        raw = self._map[self.data_start + begin : self.data_start + end]
+        return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+class SafetensorsDir:
+    """All tensors of an HF checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted(set(weight_map.values()))
+            for fname in files:
+                if not (self.path / fname).is_file():
+                    raise CheckpointError(f"{index} names {fname}, which is not in {self.path}")
+            self.files = {fname: SafetensorsFile(self.path / fname) for fname in files}
+            self.where: dict[str, str] = {}
+            for name, fname in weight_map.items():
+                if name not in self.files[fname].header:
+                    raise CheckpointError(f"{index} places {name} in {fname}, which does not hold it")
+                self.where[name] = fname
+        elif single.is_file():
+            self.files = {single.name: SafetensorsFile(single)}
+            self.where = {name: single.name for name in self.files[single.name].keys()}
+        else:
+            raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def file_of(self, name: str) -> SafetensorsFile:
+        return self.files[self.where[name]]
+
+    def get(self, name: str) -> np.ndarray:
+        return self.file_of(name).get(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file_of(name).shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        return self.file_of(name).dtype_name(name)
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self.file_of(name).header[name]["data_offsets"]
+        return end - begin
+
+
+def write_safetensors(
+    path: str | Path, tensors: Iterable[tuple[str, np.ndarray]] | Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Writes tensors (any DTYPES dtype, FP8 included) to `path`, streaming one tensor at a time.
+
+    `tensors` may be a generator, but its arrays are materialised twice (once for the header's
+    sizes, once to write) only if it is a mapping; pass a list of (name, array) pairs otherwise.
+    """
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, arr in items:
+        if arr.dtype not in NAMES:
+            raise CheckpointError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, arr in items:
+            f.write(np.ascontiguousarray(arr).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

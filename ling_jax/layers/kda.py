@@ -1,0 +1,86 @@
+"""KDA mixer: projections, causal short conv + SiLU, gate, beta, delta rule, gated norm (§2.4).
+
+The recurrence itself is `ops.kimi_delta_attention` (impl from the config); this file owns what
+surrounds it. Padding (`valid` false) and document boundaries (`segment_ids`) never reach the
+recurrent state or the conv window: pad positions get a zero conv input, beta = 0 and g = 0, and
+the conv taps and the recurrence restart at a segment boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.config import LingConfig
+from ling_jax.layers.norms import gated_rms_norm
+from ling_jax.ops.kda import kimi_delta_attention
+from ling_jax.ops.kda.gate import kda_gate
+
+
+def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
+               seg_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv + SiLU: (silu(conv) [B, T, P] in a's dtype, new window [B, W-1, P]).
+
+    `state` holds the W-1 inputs before this chunk (zeros at sequence start); tap W-1 multiplies
+    the current token. With `seg_BT`, taps that reach into an earlier segment read zero.
+    """
+    b, t, p = a_BTP.shape
+    w = w_PW.shape[1]
+    if state_BWP is None:
+        state_BWP = jnp.zeros((b, w - 1, p), a_BTP.dtype)
+    ext_BXP = jnp.concatenate([state_BWP.astype(a_BTP.dtype), a_BTP], axis=1)
+    out_BTP = jnp.zeros((b, t, p), jnp.float32)
+    for j in range(w):
+        shift = w - 1 - j
+        tap_BTP = ext_BXP[:, j : j + t].astype(jnp.float32)
+        if seg_BT is not None and shift:
+            prev = jnp.concatenate([jnp.full((b, shift), -1, seg_BT.dtype), seg_BT[:, :-shift]], 1)
+            tap_BTP = jnp.where((prev == seg_BT)[..., None], tap_BTP, 0.0)
+        out_BTP = out_BTP + tap_BTP * w_PW[:, j].astype(jnp.float32)
+    return jax.nn.silu(out_BTP).astype(a_BTP.dtype), ext_BXP[:, t:]
+
+
+def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
+    dt = x.dtype
+    if f"{name}_proj" in p:
+        return x @ p[f"{name}_proj"].astype(dt)
+    return (x @ p[f"{name}_a_proj"].astype(dt)) @ p[f"{name}_b_proj"].astype(dt)
+
+
+def kda_mixer(
+    p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, valid_BT: jax.Array | None = None,
+    segment_ids: jax.Array | None = None, cache: dict[str, jax.Array] | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B, T, D] (input-normed) -> (out [B, T, D], new cache {"state", "conv"}).
+
+    cache: {"state": [B, H, K, V] f32, "conv": [B, W-1, 3P]} or None (fresh sequence).
+    """
+    b, t, _ = x_BTD.shape
+    h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
+    dt = x_BTD.dtype
+    qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+    if valid_BT is not None:
+        qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
+    w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
+    qkv_BT3P, conv_state = short_conv(qkv_BT3P, w_3PW, None if cache is None else cache["conv"],
+                                      segment_ids)
+    q_BTHK, k_BTHK, v_BTHV = (a.reshape(b, t, h, dh) for a in jnp.split(qkv_BT3P, 3, axis=-1))
+    f_BTHK = _proj(x_BTD, p, "f").reshape(b, t, h, dh)
+    beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
+    gate_kw: dict[str, Any] = dict(a_log=p["A_log"], dt_bias=p["dt_bias"], lower_bound=cfg.kda_lower_bound)
+    if valid_BT is not None:  # pads must neither write (beta = 0) nor decay (g = 0) the state
+        beta_BTH = jnp.where(valid_BT[..., None], beta_BTH, 0.0)
+        f_BTHK = jnp.where(valid_BT[..., None, None],
+                           kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound), 0.0)
+        gate_kw = {}
+    o_BTHV, state = kimi_delta_attention(
+        q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH, scale=dh**-0.5,
+        initial_state=None if cache is None else cache["state"], impl=cfg.kda_impl,
+        segment_ids=segment_ids, use_qk_l2norm=True, **gate_kw,
+    )
+    z_BTHV = _proj(x_BTD, p, "g").reshape(b, t, h, dh)
+    o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
+    out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)
+    return out_BTD, {"state": state, "conv": conv_state}

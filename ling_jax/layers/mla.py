@@ -1,0 +1,70 @@
+"""Gated multi-head latent attention, expanded K/V form (§2.5) — the prefill and training path.
+
+q from a low-rank (q_a -> norm -> q_b) or direct projection; one latent c and one shared rope key
+per token (kv_a), the normed latent up-projected per head to k_nope and v (kv_b), interleaved
+RoPE on the rope slices, softmax attention at scale 1/sqrt(qk_head_dim), a per-head (or
+per-element) sigmoid output gate, then `dense`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.config import LingConfig
+from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.rope import apply_rope
+from ling_jax.ops.attention import attention
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
+
+
+def mla_query(p: dict[str, Any], x_BTD: jax.Array, cfg: LingConfig) -> jax.Array:
+    """[B, T, H, qk_head_dim] query (nope dims first, rope dims last), before RoPE."""
+    dt = x_BTD.dtype
+    if "q_proj" in p:
+        q = x_BTD @ p["q_proj"].astype(dt)
+    else:
+        q = rms_norm(x_BTD @ p["q_a_proj"].astype(dt), p["q_a_norm"], LATENT_NORM_EPS)
+        q = q @ p["q_b_proj"].astype(dt)
+    return q.reshape(*x_BTD.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
+
+
+def mla_latent(p: dict[str, Any], x_BTD: jax.Array, cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
+    """(normed latent c [B, T, r], un-rotated shared rope key [B, T, d_r])."""
+    ckv = x_BTD @ p["kv_a_proj"].astype(x_BTD.dtype)
+    c, k_rot = jnp.split(ckv, [cfg.kv_lora_rank], axis=-1)
+    return rms_norm(c, p["kv_a_norm"], LATENT_NORM_EPS), k_rot
+
+
+def mla_output(p: dict[str, Any], o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Array:
+    """Sigmoid output gate (fp32, cast back) on each head's output, then `dense`: [B, T, D]."""
+    b, t, h, dv = o_BTHV.shape
+    dt = x_BTD.dtype
+    gate = jax.nn.sigmoid((x_BTD @ p["g_proj"].astype(dt)).astype(jnp.float32)).astype(dt)
+    o_BTHV = o_BTHV * gate.reshape(b, t, h, -1)  # [.., H, 1] head-wise or [.., H, dv] element-wise
+    return o_BTHV.reshape(b, t, h * dv) @ p["dense"].astype(dt)
+
+
+def mla_mixer(
+    p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, cos: jax.Array, sin: jax.Array,
+    mask_BTS: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B, T, D] (input-normed) -> (out [B, T, D], {"latent": [B, T, r + d_r]} to cache).
+
+    cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention).
+    """
+    b, t, _ = x_BTD.shape
+    h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    q_BTHD = mla_query(p, x_BTD, cfg)
+    q_nope, q_rot = jnp.split(q_BTHD, [dn], axis=-1)
+    q_BTHD = jnp.concatenate([q_nope, apply_rope(q_rot, cos, sin)], axis=-1)
+    c_BTR, k_rot_BTd = mla_latent(p, x_BTD, cfg)
+    k_rot_BTd = apply_rope(k_rot_BTd, cos, sin)
+    kv_BTHX = (c_BTR @ p["kv_b_proj"].astype(x_BTD.dtype)).reshape(b, t, h, dn + dv)
+    k_nope, v_BTHV = jnp.split(kv_BTHX, [dn], axis=-1)
+    k_BTHD = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot_BTd[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
+    o_BTHV = attention(q_BTHD, k_BTHD, v_BTHV, mask_BTS, scale=cfg.qk_head_dim**-0.5)
+    return mla_output(p, o_BTHV, x_BTD), {"latent": jnp.concatenate([c_BTR, k_rot_BTd], axis=-1)}
