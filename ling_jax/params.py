@@ -19,6 +19,7 @@ initialised. Loading, export and conversion all walk this table; nothing else kn
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -236,7 +237,7 @@ def param_slots(cfg: LingConfig) -> list[ParamSlot]:
 def set_path(tree: Params, path: tuple[Any, ...], value: Any) -> None:
     """Sets tree[path] creating dicts/lists on the way (lists for integer keys)."""
     node: Any = tree
-    for key, nxt in zip(path[:-1], path[1:], strict=True):
+    for key, nxt in itertools.pairwise(path):
         if isinstance(node, list):
             while len(node) <= key:
                 node.append(None)

@@ -63,7 +63,7 @@ class HFSource:
                     raise CheckpointError(f"{self.st.path}: missing tensor {name} (expected shape {list(want)})")
                 expected.add(name)
                 self._check(name, slot.leaf, want)
-        extra = [n for n in self.st.keys()
+        extra = [n for n in self.st
                  if n not in expected and not n.endswith(IGNORED_SUFFIXES)
                  and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in expected)]
         if extra:

@@ -120,7 +120,7 @@ class SafetensorsDir:
                 self.where[name] = fname
         elif single.is_file():
             self.files = {single.name: SafetensorsFile(single)}
-            self.where = {name: single.name for name in self.files[single.name].keys()}
+            self.where = {name: single.name for name in self.files[single.name]}
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
 
