@@ -1,0 +1,513 @@
+"""`kda_pallas`: chunked KDA as Pallas kernels, GPU (Triton) and TPU (Mosaic) lowerings.
+
+Forward, two launches (kernel bodies in `pallas_chunk.py`):
+  1. `fwd_intra` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay,
+     At, the triangular inverse, W, U, Qg, Kg, Aqk, gamma. Inputs are read once; the [C, C] and
+     [C, K] intermediates of one chunk stay on chip until the five per-chunk products are written.
+  2. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
+     chip for the whole sequence; per chunk V' = U - W S, O = Qg S + Aqk V', S <- gamma S + Kg^T V'.
+Backward, three launches (`jax.custom_vjp`; the forward's per-chunk products and states are the
+residuals, everything [C, C] is recomputed):
+  3. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
+  4. `bwd_intra` (chunk-parallel): recomputes At, M; dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
+  5. `bwd_main` (chunk-parallel): dq, dk, d(gate input), dbeta, and per-chunk sums for a_log/dt_bias.
+
+On GPU the kernels lower through Triton (`pl.pallas_call` + `pltriton.CompilerParams`); on TPU through
+Mosaic (`pltpu.CompilerParams`, sequential kernels as an "arbitrary" grid axis with a VMEM state);
+on CPU they run in interpret mode. Layouts: GPU keeps [B, T, H, D] (no transposes), TPU uses
+[B, H, T, D] blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ling_jax.ops.kda import pallas_chunk as pc
+from ling_jax.ops.kda.reference import segment_starts
+
+F32 = jnp.float32
+Cfg = pc.Cfg
+
+
+def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False):
+    if cfg.backend == "triton":
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=warps, num_stages=stages if stages else 1)
+    from jax.experimental.pallas import tpu as pltpu
+
+    sem = ("parallel", "parallel", "parallel") + (("arbitrary",) if sequential else ())
+    return pltpu.CompilerParams(dimension_semantics=sem)
+
+
+# ---------------------------------------------------------------------------------------------
+# block specs (chunk-parallel kernels: grid (B, H, NT))
+# ---------------------------------------------------------------------------------------------
+
+
+def _tok(cfg: Cfg, d: int) -> pl.BlockSpec:
+    c = cfg.chunk
+    if cfg.layout == "bthd":
+        return pl.BlockSpec((None, c, None, d), lambda b, h, t: (b, t, h, 0))
+    return pl.BlockSpec((None, None, c, d), lambda b, h, t: (b, h, t, 0))
+
+
+def _msk(cfg: Cfg) -> pl.BlockSpec:
+    c = cfg.chunk
+    if cfg.layout == "bthd":
+        return pl.BlockSpec((None, c, None, 1), lambda b, h, t: (b, t, 0, 0))
+    return pl.BlockSpec((None, None, c, 1), lambda b, h, t: (b, 0, t, 0))
+
+
+def _chk(r: int, d: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, None, r, d), lambda b, h, t: (b, h, t, 0, 0))
+
+
+def _head(d: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, 1, d), lambda b, h, t: (h, 0, 0))
+
+
+def _tok_shape(cfg: Cfg, b: int, h: int, d: int) -> tuple[int, ...]:
+    t = cfg.n_chunks * cfg.chunk
+    return (b, t, h, d) if cfg.layout == "bthd" else (b, h, t, d)
+
+
+def _input_specs(cfg: Cfg) -> list[pl.BlockSpec]:
+    specs = [_tok(cfg, cfg.dk), _tok(cfg, cfg.dk), _tok(cfg, cfg.dk), _tok(cfg, 1)]
+    if cfg.gate is not None:
+        specs += [_head(1), _head(cfg.dk)]
+    if cfg.segments:
+        specs += [_msk(cfg)] * 3
+    return specs
+
+
+def _inputs(cfg: Cfg, q, k, g, beta, a_log, dt, masks) -> list[jax.Array]:
+    xs = [q, k, g, beta]
+    if cfg.gate is not None:
+        xs += [a_log, dt]
+    return xs + list(masks)
+
+
+# ---------------------------------------------------------------------------------------------
+# launches
+# ---------------------------------------------------------------------------------------------
+
+
+def _fwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks):
+    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+    c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
+    cd = jnp.dtype(cfg.cd)
+    out_shape = [
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # W
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), cd),  # U
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Qg
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Kg
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), cd),  # Aqk
+        jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32),  # gamma
+    ]
+    out_specs = [_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, c), _chk(1, dk)]
+    return pl.pallas_call(
+        functools.partial(pc.fwd_intra_kernel, cfg),
+        out_shape=out_shape,
+        grid=(b, h, nt),
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv)],
+        out_specs=out_specs,
+        compiler_params=_compiler_params(cfg, cfg.warps_intra),
+        interpret=cfg.interpret,
+        name="kda_fwd_intra",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v)
+
+
+def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
+    """Sequential forward. h0t: [B, H, V, K] f32 (v-first). Returns (o, ht, h | None, vn | None)."""
+    b, h = gam.shape[:2]
+    c, dk, dv, nt, bv = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks, cfg.bv
+    nv = dv // bv
+    out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), out_dtype),
+                 jax.ShapeDtypeStruct((b, h, dv, dk), F32)]
+    if store_h:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, nt, dv, dk), jnp.dtype(cfg.hd)))
+    if store_vn:
+        out_shape.append(jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), jnp.dtype(cfg.cd)))
+
+    if cfg.backend == "triton":
+
+        def kernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref, h0_ref, o_ref, ht_ref, *rest):
+            ib, ih, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            vs = pl.ds(iv * bv, bv)
+            st = h0_ref[ib, ih, vs, :]
+
+            def body(t, st):
+                ts = pl.ds(t * c, c)
+                if store_h:
+                    rest[0][ib, ih, t, vs, :] = st.astype(rest[0].dtype)
+                o, vn, st = pc.fwd_state_step(
+                    cfg, st, w_ref[ib, ts, ih, :], u_ref[ib, ts, ih, vs], qg_ref[ib, ts, ih, :],
+                    kg_ref[ib, ts, ih, :], aqk_ref[ib, ts, ih, :], gam_ref[ib, ih, t])
+                o_ref[ib, ts, ih, vs] = o.astype(o_ref.dtype)
+                if store_vn:
+                    rest[-1][ib, ts, ih, vs] = vn.astype(rest[-1].dtype)
+                return st
+
+            st = jax.lax.fori_loop(0, nt, body, st)
+            ht_ref[ib, ih, vs, :] = st
+
+        return pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(b, h, nv),
+            compiler_params=_compiler_params(cfg, cfg.warps_state, cfg.stages_state),
+            interpret=cfg.interpret, name="kda_fwd_state",
+        )(w, u, qg, kg, aqk, gam, h0t)
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    def tkernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref, h0_ref, o_ref, ht_ref, *rest):
+        st_ref = rest[-1]
+        rest = rest[:-1]
+        t = pl.program_id(3)
+
+        @pl.when(t == 0)
+        def _():
+            st_ref[...] = h0_ref[...]
+
+        st = st_ref[...]
+        if store_h:
+            rest[0][...] = st.astype(rest[0].dtype)
+        o, vn, st = pc.fwd_state_step(cfg, st, w_ref[...], u_ref[...], qg_ref[...], kg_ref[...],
+                                      aqk_ref[...], gam_ref[...])
+        o_ref[...] = o.astype(o_ref.dtype)
+        if store_vn:
+            rest[-1][...] = vn.astype(rest[-1].dtype)
+        st_ref[...] = st
+
+        @pl.when(t == nt - 1)
+        def _():
+            ht_ref[...] = st
+
+    def tspec(d, vblock=False):
+        if vblock:
+            return pl.BlockSpec((None, None, c, bv), lambda ib, ih, iv, t: (ib, ih, t, iv))
+        return pl.BlockSpec((None, None, c, d), lambda ib, ih, iv, t: (ib, ih, t, 0))
+
+    sspec = pl.BlockSpec((None, None, bv, dk), lambda ib, ih, iv, t: (ib, ih, iv, 0))
+    in_specs = [tspec(dk), tspec(dv, True), tspec(dk), tspec(dk), tspec(c),
+                pl.BlockSpec((None, None, None, 1, dk), lambda ib, ih, iv, t: (ib, ih, t, 0, 0)), sspec]
+    out_specs = [tspec(dv, True), sspec]
+    if store_h:
+        out_specs.append(pl.BlockSpec((None, None, None, bv, dk),
+                                      lambda ib, ih, iv, t: (ib, ih, t, iv, 0)))
+    if store_vn:
+        out_specs.append(tspec(dv, True))
+    return pl.pallas_call(
+        tkernel, out_shape=out_shape, grid=(b, h, nv, nt), in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((bv, dk), F32)],
+        compiler_params=_compiler_params(cfg, 0, sequential=True),
+        interpret=cfg.interpret, name="kda_fwd_state",
+    )(w, u, qg, kg, aqk, gam, h0t)
+
+
+def _bwd_state(cfg: Cfg, qg, w, kg, aqk, gam, do, dht, dcs):
+    """Reverse sequential pass. dht: [B, H, V, K] f32; dcs: cotangents of the chunk states
+    [B, H, NT, V, K] or None. Returns (dh [B, H, NT, V, K], dvn, dh0 [B, H, V, K])."""
+    b, h = gam.shape[:2]
+    c, dk, dv, nt, bv = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks, cfg.bv
+    nv = dv // bv
+    cd = jnp.dtype(cfg.cd)
+    out_shape = [jax.ShapeDtypeStruct((b, h, nt, dv, dk), cd),
+                 jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), cd),
+                 jax.ShapeDtypeStruct((b, h, dv, dk), F32)]
+    args = [qg, w, kg, aqk, gam, do, dht] + ([] if dcs is None else [dcs])
+
+    if cfg.backend == "triton":
+
+        def kernel(qg_ref, w_ref, kg_ref, aqk_ref, gam_ref, do_ref, dht_ref, *rest):
+            dcs_ref = rest[0] if dcs is not None else None
+            dh_ref, dvn_ref, dh0_ref = rest[-3:]
+            ib, ih, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            vs = pl.ds(iv * bv, bv)
+            dst = dht_ref[ib, ih, vs, :]
+
+            def body(i, dst):
+                t = nt - 1 - i
+                ts = pl.ds(t * c, c)
+                dh_ref[ib, ih, t, vs, :] = dst.astype(dh_ref.dtype)
+                dvn, dst = pc.bwd_state_step(
+                    cfg, dst, qg_ref[ib, ts, ih, :], w_ref[ib, ts, ih, :], kg_ref[ib, ts, ih, :],
+                    aqk_ref[ib, ts, ih, :], gam_ref[ib, ih, t], do_ref[ib, ts, ih, vs])
+                dvn_ref[ib, ts, ih, vs] = dvn.astype(dvn_ref.dtype)
+                if dcs_ref is not None:
+                    dst = dst + dcs_ref[ib, ih, t, vs, :]
+                return dst
+
+            dst = jax.lax.fori_loop(0, nt, body, dst)
+            dh0_ref[ib, ih, vs, :] = dst
+
+        return pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(b, h, nv),
+            compiler_params=_compiler_params(cfg, cfg.warps_state, cfg.stages_state),
+            interpret=cfg.interpret, name="kda_bwd_state",
+        )(*args)
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    def tkernel(qg_ref, w_ref, kg_ref, aqk_ref, gam_ref, do_ref, dht_ref, *rest):
+        dst_ref = rest[-1]
+        dcs_ref = rest[0] if dcs is not None else None
+        dh_ref, dvn_ref, dh0_ref = rest[-4:-1]
+        i = pl.program_id(3)
+
+        @pl.when(i == 0)
+        def _():
+            dst_ref[...] = dht_ref[...]
+
+        dst = dst_ref[...]
+        dh_ref[...] = dst.astype(dh_ref.dtype)
+        dvn, dst = pc.bwd_state_step(cfg, dst, qg_ref[...], w_ref[...], kg_ref[...], aqk_ref[...],
+                                     gam_ref[...], do_ref[...])
+        dvn_ref[...] = dvn.astype(dvn_ref.dtype)
+        if dcs_ref is not None:
+            dst = dst + dcs_ref[...]
+        dst_ref[...] = dst
+
+        @pl.when(i == nt - 1)
+        def _():
+            dh0_ref[...] = dst
+
+    def rev(d, vblock=False):
+        if vblock:
+            return pl.BlockSpec((None, None, c, bv), lambda ib, ih, iv, i: (ib, ih, nt - 1 - i, iv))
+        return pl.BlockSpec((None, None, c, d), lambda ib, ih, iv, i: (ib, ih, nt - 1 - i, 0))
+
+    sspec = pl.BlockSpec((None, None, bv, dk), lambda ib, ih, iv, i: (ib, ih, iv, 0))
+    cspec = pl.BlockSpec((None, None, None, bv, dk), lambda ib, ih, iv, i: (ib, ih, nt - 1 - i, iv, 0))
+    in_specs = [rev(dk), rev(dk), rev(dk), rev(c),
+                pl.BlockSpec((None, None, None, 1, dk), lambda ib, ih, iv, i: (ib, ih, nt - 1 - i, 0, 0)),
+                rev(dv, True), sspec] + ([] if dcs is None else [cspec])
+    return pl.pallas_call(
+        tkernel, out_shape=out_shape, grid=(b, h, nv, nt), in_specs=in_specs,
+        out_specs=[cspec, rev(dv, True), sspec],
+        scratch_shapes=[pltpu.VMEM((bv, dk), F32)],
+        compiler_params=_compiler_params(cfg, 0, sequential=True),
+        interpret=cfg.interpret, name="kda_bwd_state",
+    )(*args)
+
+
+def _bwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn):
+    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+    c, dv = cfg.chunk, cfg.dv
+    out_shape = [
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # X
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # Y
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # M
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, 1), F32),  # dbeta (partial)
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), v.dtype),  # dv
+    ]
+    return pl.pallas_call(
+        functools.partial(pc.bwd_intra_kernel, cfg),
+        out_shape=out_shape,
+        grid=(b, h, cfg.n_chunks),
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv)],
+        out_specs=[_tok(cfg, c), _tok(cfg, c), _tok(cfg, c), _tok(cfg, 1), _tok(cfg, dv)],
+        compiler_params=_compiler_params(cfg, cfg.warps_intra),
+        interpret=cfg.interpret,
+        name="kda_bwd_intra",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, do, vn, dvn)
+
+
+def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm_, x, y, dbp):
+    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+    c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
+    out_shape = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(g.shape, g.dtype),
+        jax.ShapeDtypeStruct(beta.shape, beta.dtype),
+    ]
+    out_specs = [_tok(cfg, dk), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, 1)]
+    if cfg.gate is not None:
+        out_shape += [jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32)] * 2
+        out_specs += [_chk(1, dk)] * 2
+    in_specs = [*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv), _chk(dv, dk),
+                _chk(dv, dk), _tok(cfg, c), _tok(cfg, c), _tok(cfg, c), _tok(cfg, 1)]
+    return pl.pallas_call(
+        functools.partial(pc.bwd_main_kernel, cfg),
+        out_shape=out_shape,
+        grid=(b, h, nt),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=_compiler_params(cfg, cfg.warps_bwd),
+        interpret=cfg.interpret,
+        name="kda_bwd_main",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), do, vn, dvn, hs, dh, mm_, x, y, dbp)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp core (inputs already padded to whole chunks and in the kernel layout)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store: bool):
+    w, u, qg, kg, aqk, gam = _fwd_intra(cfg, q, k, v, g, beta, a_log, dt, masks)
+    outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=store, store_vn=store)
+    return outs, (w, qg, kg, aqk, gam)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _core(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
+    outs, _ = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store=want_states)
+    o, ht = outs[:2]
+    return (o, ht, outs[2]) if want_states else (o, ht)
+
+
+def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
+    (o, ht, hs, vn), (w, qg, kg, aqk, gam) = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks,
+                                                          store=True)
+    res = (q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, hs, vn)
+    return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
+
+
+def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
+    q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, hs, vn = res
+    do, dht = cts[0], cts[1]
+    dcs = cts[2].astype(F32) if want_states else None
+    cd = jnp.dtype(cfg.cd)
+    do = do.astype(cd)
+    dh, dvn, dh0 = _bwd_state(cfg, qg, w, kg, aqk, gam, do, dht.astype(F32), dcs)
+    x, y, mm_, dbp, dv = _bwd_intra(cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn)
+    outs = _bwd_main(cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs.astype(cd), dh, mm_, x, y, dbp)
+    dq, dk, dg, dbeta = outs[:4]
+    if cfg.gate is not None:
+        pa, pb = outs[4:6]
+        da_log = jnp.sum(pa, axis=(0, 2, 3, 4)).reshape(a_log.shape).astype(a_log.dtype)
+        ddt = jnp.sum(pb, axis=(0, 2)).reshape(dt.shape).astype(dt.dtype)
+    else:
+        da_log, ddt = jnp.zeros_like(a_log), jnp.zeros_like(dt)
+    dmasks = jax.tree.map(jnp.zeros_like, masks)
+    return dq, dk, dv, dg, dbeta, dh0, da_log, ddt, dmasks
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _default_backend() -> tuple[str, bool]:
+    plat = jax.default_backend()
+    if plat == "gpu":
+        return "triton", False
+    if plat == "tpu":
+        return "tpu", False
+    return "triton", True
+
+
+def _segment_masks(segment_ids: jax.Array, c: int, t_pad: int) -> tuple[jax.Array, ...]:
+    """[B, T] ids -> (m, e, s) [B, T_pad] float32: row continues the chunk's incoming state, row is
+    in the chunk's last segment, monotone segment index."""
+    b, t = segment_ids.shape
+    idx = jnp.cumsum(segment_starts(segment_ids).astype(jnp.int32), axis=1)
+    if t_pad != t:
+        idx = jnp.pad(idx, ((0, 0), (0, t_pad - t)), mode="edge")
+    ch = idx.reshape(b, t_pad // c, c)
+    prev_last = jnp.concatenate([ch[:, :1, :1], ch[:, :-1, -1:]], axis=1)  # segment of incoming state
+    m = (ch == prev_last).reshape(b, t_pad)
+    e = (ch == ch[:, :, -1:]).reshape(b, t_pad)
+    return m.astype(F32), e.astype(F32), idx.astype(F32)
+
+
+def kda_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = 64,
+    return_chunk_states: bool = False,
+    use_qk_l2norm: bool = False,
+    a_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = -5.0,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_v: int | None = None,
+    block_v_bwd: int | None = None,
+    num_warps: tuple[int, int, int] | None = None,
+) -> tuple[jax.Array, ...]:
+    """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
+
+    `g` is the log decay, or the raw gate input when `a_log` is given (then `dt_bias` is required
+    and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
+    `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
+    (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    if c not in (16, 32, 64, 128):
+        raise ValueError(f"kda_pallas supports chunk_size 16, 32, 64 or 128, got {c}")
+    if dk % 16 or dv % 16 or dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"kda_pallas needs power-of-two head dims >= 16, got K={dk}, V={dv}")
+    if a_log is not None and dt_bias is None:
+        raise ValueError("a_log given without dt_bias")
+    dback, dinterp = _default_backend()
+    backend = backend or dback
+    interpret = dinterp if interpret is None else interpret
+    nt = max(1, math.ceil(t / c))
+    t_pad = nt * c
+    cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
+    hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
+    gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
+    bv = block_v or min(dv, 64 if backend == "triton" else 128)
+    bvb = block_v_bwd or min(dv, 64)
+    warps = num_warps or (4, 4, 8)
+    cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
+              scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
+              l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
+              bv_bwd=bvb, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2])
+
+    def pad_t(x):
+        if t_pad == t:
+            return x
+        return jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))
+
+    qp, kp, vp, gp = (pad_t(x) for x in (q, k, v, g))
+    bp = pad_t(beta)[..., None]
+    masks: tuple[jax.Array, ...] = ()
+    if segment_ids is not None:
+        masks = _segment_masks(segment_ids, c, t_pad)
+    if cfg.layout == "bthd":
+        masks = tuple(x[:, :, None, None] for x in masks)
+    else:
+        qp, kp, vp, gp, bp = (jnp.swapaxes(x, 1, 2) for x in (qp, kp, vp, gp, bp))
+        masks = tuple(x[:, None, :, None] for x in masks)
+    h0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
+    h0t = jnp.swapaxes(h0, 2, 3)
+    if gate is None:
+        al = jnp.zeros((h, 1, 1), F32)
+        dtb = jnp.zeros((h, 1, dk), F32)
+    else:
+        al = a_log.astype(F32).reshape(h, 1, 1)
+        dtb = dt_bias.astype(F32).reshape(h, 1, dk)
+    outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
+    o = outs[0]
+    if cfg.layout == "bhtd":
+        o = jnp.swapaxes(o, 1, 2)
+    o = o[:, :t]
+    ht = jnp.swapaxes(outs[1], 2, 3)
+    if not return_chunk_states:
+        return o, ht
+    cs = jnp.swapaxes(outs[2], 3, 4)  # [B, H, NT, K, V]
+    return o, ht, jnp.swapaxes(cs, 1, 2)
+
+
+kda_pallas.fuses_gate_and_norm = True  # type: ignore[attr-defined]
