@@ -1,0 +1,373 @@
+"""KDA kernel benchmark on one GPU: our Pallas path vs FLA's `chunk_kda` vs our chunked XLA path.
+
+Run on the GPU machine (FLA wheel carried in .whl/, see bench/notes/kda.md):
+
+    python3 bench/kda.py --out $OUT [--heads 16 64] [--seq 8192] [--variants]
+
+One run does, in this order:
+  1. starts a worker process that imports FLA (torch + Triton) and runs `chunk_kda` forward and
+     forward+backward once per head count, which triggers FLA's autotuning, while this process
+     compiles and checks the JAX side (the two overlap: autotuning is mostly Triton compilation);
+  2. checks our GPU kernels against the reference recurrence (fp32: forward and all gradients;
+     bf16: forward), on the GPU;
+  3. measures the card's ceilings: a 4 GiB device-to-device copy (bytes read + written) and an
+     8192^3 bf16 matmul;
+  4. after the worker reports it is tuned (the GPU is then idle), times ours (forward, forward +
+     backward) and the chunked XLA path: median of warmed-up calls, each with block_until_ready;
+  5. tells the worker to time FLA (triton.testing.do_bench, median) and to run FLA once on our
+     inputs; compares its output and gradients with ours (relative L2);
+  6. writes $OUT/kda_bench.json and prints a table.
+
+Byte and FLOP counts (per token and head, C = 64, bf16 inputs): bytes_min = 2 (3K + V) + 2 (q, k, g,
+v, beta) + 2 V (o), plus the final state (4 K V per head); the forward+backward minimum adds reading
+dO and writing dq, dk, dv, dg, dbeta (same sizes again), i.e. about 2x plus the re-read of the inputs
+= 3 x bytes_min. FLOPs: forward 2C(3K + 2V) + 6KV + 2C^2 (the matmuls of the chunked algorithm,
+ARCHITECTURE.md §2.4; 1.9e5 for K = V = 128), forward+backward = 3x forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TMP = Path("/tmp/kda_bench")
+
+
+# ------------------------------------------------------------------------------------------------
+# FLA worker (torch process)
+# ------------------------------------------------------------------------------------------------
+
+
+def fla_worker(heads: list[int], seq: int, dk: int) -> None:
+    import torch
+    import triton
+    from fla.ops.kda import chunk_kda
+
+    log = open(TMP / "fla_worker.log", "a")  # noqa: SIM115
+
+    def say(*a):
+        print(*a, file=log, flush=True)
+
+    def call(q, k, v, g, beta, a_log, dt_bias):
+        return chunk_kda(q, k, v, g, beta, scale=dk ** -0.5, A_log=a_log, dt_bias=dt_bias,
+                         use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
+                         lower_bound=-5.0, output_final_state=True)
+
+    def make(h, gen):
+        sh = (1, seq, h, dk)
+        q = torch.randn(sh, device="cuda", generator=gen).bfloat16()
+        k = torch.randn(sh, device="cuda", generator=gen).bfloat16()
+        v = torch.randn(sh, device="cuda", generator=gen).bfloat16()
+        g = (2 * torch.randn(sh, device="cuda", generator=gen)).bfloat16()
+        beta = torch.sigmoid(torch.randn((1, seq, h), device="cuda", generator=gen)).bfloat16()
+        a_log = 0.5 * torch.randn(h, device="cuda", generator=gen)
+        dt_bias = torch.randn(h * dk, device="cuda", generator=gen)
+        return [q, k, v, g, beta, a_log, dt_bias]
+
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for h in heads:  # autotune: first calls of forward and backward for this shape
+        xs = [x.requires_grad_(True) for x in make(h, gen)]
+        o, _ = call(*xs)
+        torch.autograd.grad(o, xs, torch.randn_like(o))
+        torch.cuda.synchronize()
+        say(f"tuned H={h} at {time.time() - t0:.1f}s")
+    (TMP / "fla_tuned").write_text(f"{time.time() - t0:.1f}")
+    while not (TMP / "fla_go").exists():
+        time.sleep(0.2)
+    res = {"autotune_s": round(time.time() - t0, 1), "torch": torch.__version__,
+           "triton": triton.__version__}
+    import fla
+
+    res["fla"] = getattr(fla, "__version__", "?")
+    for h in heads:
+        xs = [x.requires_grad_(True) for x in make(h, gen)]
+        do = torch.randn((1, seq, h, dk), device="cuda", generator=gen).bfloat16()
+
+        def fwd(xs=xs):
+            with torch.no_grad():
+                return call(*xs)
+
+        def fwdbwd(xs=xs, do=do):
+            o, _ = call(*xs)
+            return torch.autograd.grad(o, xs, do)
+
+        res[f"H{h}"] = {
+            "fwd_ms": triton.testing.do_bench(fwd, warmup=100, rep=500, return_mode="median"),
+            "fwdbwd_ms": triton.testing.do_bench(fwdbwd, warmup=100, rep=500, return_mode="median"),
+        }
+        say(f"timed H={h}: {res[f'H{h}']}")
+        # our inputs, same values: output and gradients for the agreement check
+        d = np.load(TMP / f"inputs_H{h}.npz")
+        ins = []
+        for name in ("q", "k", "v", "g", "beta", "a_log", "dt_bias"):
+            a = torch.from_numpy(d[name]).cuda()
+            if name not in ("a_log", "dt_bias"):
+                a = a.bfloat16()
+            ins.append(a.requires_grad_(True))
+        do = torch.from_numpy(d["do"]).cuda().bfloat16()
+        o, ht = call(*ins)
+        grads = torch.autograd.grad(o, ins, do)
+        out = {"o": o.float().cpu().numpy(), "ht": ht.float().cpu().numpy()}
+        for name, gr in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias"), grads, strict=True):
+            out["d" + name] = gr.float().cpu().numpy()
+        np.savez(TMP / f"fla_out_H{h}.npz", **out)
+        del ins, grads, o, ht, xs
+        torch.cuda.empty_cache()
+    (TMP / "fla_result.json").write_text(json.dumps(res))
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX side
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time kernel-parameter variants")
+    ap.add_argument("--fla-worker", action="store_true")
+    args = ap.parse_args()
+    TMP.mkdir(parents=True, exist_ok=True)
+    if args.fla_worker:
+        fla_worker(args.heads, args.seq, args.dk)
+        return
+    for f in ("fla_tuned", "fla_go", "fla_result.json"):
+        (TMP / f).unlink(missing_ok=True)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    worker = None
+    if not args.no_fla:
+        worker = subprocess.Popen([sys.executable, __file__, "--fla-worker", "--heads", *map(str, args.heads),
+                                   "--seq", str(args.seq), "--dk", str(args.dk)])
+    t_start = time.time()
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ling_jax.ops.kda import kimi_delta_attention
+    from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+    from ling_jax.ops.kda.pallas import kda_pallas
+    from ling_jax.ops.kda.reference import kda_reference
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "shapes": {"B": 1, "T": args.seq, "K": args.dk, "V": args.dk, "heads": args.heads, "dtype": "bfloat16"},
+        "timing": "median of 20 warmed-up calls, each followed by block_until_ready (JAX); "
+                  "triton.testing.do_bench median (FLA)",
+    }
+
+    def rel(a, b) -> float:
+        a = np.asarray(a, np.float64)
+        b = np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    def timeit(fn, *a, n=20, warm=3) -> float:
+        for _ in range(warm):
+            jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts) * 1e3)
+
+    def inputs(key, b, t, h, dk, dtype):
+        ks = jax.random.split(key, 8)
+        q = jax.random.normal(ks[0], (b, t, h, dk)).astype(dtype)
+        k = jax.random.normal(ks[1], (b, t, h, dk)).astype(dtype)
+        v = jax.random.normal(ks[2], (b, t, h, dk)).astype(dtype)
+        g = (2.0 * jax.random.normal(ks[3], (b, t, h, dk))).astype(dtype)
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))).astype(dtype)
+        a_log = 0.5 * jax.random.normal(ks[5], (h,))
+        dt_bias = jax.random.normal(ks[6], (h * dk,))
+        return q, k, v, g, beta, a_log, dt_bias
+
+    def ours(q, k, v, g, beta, a_log, dt_bias, h0=None, impl="pallas", **kw):
+        return kimi_delta_attention(q, k, v, g, beta, initial_state=h0, impl=impl, use_qk_l2norm=True,
+                                    a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, **kw)
+
+    def ref(q, k, v, g, beta, a_log, dt_bias, h0=None):
+        gg = kda_gate(g, a_log, dt_bias, -5.0)
+        return kda_reference(l2_normalize(q), l2_normalize(k), v, gg, beta, scale=q.shape[-1] ** -0.5,
+                             initial_state=h0)
+
+    # ---- 2. correctness on the GPU -----------------------------------------------------------
+    checks = {}
+    try:
+        with jax.default_matmul_precision("highest"):
+            x = inputs(jax.random.PRNGKey(1), 2, 1000, 4, args.dk, jnp.float32)
+            h0 = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 4, args.dk, args.dk))
+            segs = jnp.asarray(np.repeat(np.cumsum(np.isin(np.arange(1000), [5, 64, 300, 301, 777]))[None],
+                                         2, 0).astype(np.int32))
+            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=segs))(*x, h0)
+            ro, rht = jax.jit(lambda *a: kimi_delta_attention(*a[:5], initial_state=a[7], impl="reference",
+                                                              use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
+                                                              segment_ids=segs))(*x, h0)
+            checks["fp32_fwd_o"] = rel(o, ro)
+            checks["fp32_fwd_state"] = rel(ht, rht)
+            w = jax.random.normal(jax.random.PRNGKey(3), o.shape)
+
+            def loss(fn):
+                return lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1])
+
+            gp = jax.jit(jax.grad(loss(lambda *a: ours(*a)), argnums=tuple(range(8))))(*x, h0)
+            gr = jax.jit(jax.grad(loss(ref), argnums=tuple(range(8))))(*x, h0)
+            for name, a, b in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias", "h0"), gp, gr, strict=True):
+                checks[f"fp32_grad_{name}"] = rel(a, b)
+            xb = inputs(jax.random.PRNGKey(4), 1, 1000, 4, args.dk, jnp.bfloat16)
+            ob, _ = jax.jit(ours)(*xb)
+            rb, _ = jax.jit(ref)(*xb)
+            checks["bf16_fwd_o_vs_fp32_reference"] = rel(ob, rb)
+    except Exception as e:  # keep going: the timings are still worth having
+        checks["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    report["checks_vs_reference"] = checks
+    print("checks", json.dumps(checks, indent=1), flush=True)
+
+    # ---- 3. ceilings -------------------------------------------------------------------------
+    big = jnp.ones((1 << 31,), jnp.bfloat16) * 1.5  # 4 GiB
+    copy_ms = timeit(jax.jit(lambda a: a * jnp.bfloat16(2.0)), big, n=10)
+    del big
+    a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), jnp.bfloat16)
+    b2 = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
+    mm_ms = timeit(jax.jit(lambda a, b: a @ b), a, b2, n=10)
+    del a, b2
+    report["ceilings"] = {
+        "copy_4GiB_ms": copy_ms, "copy_GBps_read_plus_write": 2 * (1 << 32) / copy_ms / 1e6,
+        "matmul_8192_bf16_ms": mm_ms, "matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9,
+    }
+    print("ceilings", report["ceilings"], flush=True)
+
+    # ---- 4. compile + time ours --------------------------------------------------------------
+    have_chunked = Path(__file__).resolve().parents[1].joinpath("ling_jax/ops/kda/chunked.py").exists()
+    results = {}
+    kd = args.dk
+    flop_fwd_tok = 2 * 64 * (3 * kd + 2 * kd) + 6 * kd * kd + 2 * 64 * 64
+    variant_list = [("default", {})]
+    if args.variants:
+        variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
+                         ("warps_4_4_4", {"num_warps": (4, 4, 4)}), ("warps_8_4_8", {"num_warps": (8, 4, 8)}),
+                         ("bvb128", {"block_v_bwd": 128})]
+    inputs_by_h = {}
+    for h in args.heads:
+        x = inputs(jax.random.PRNGKey(10 + h), 1, args.seq, h, kd, jnp.bfloat16)
+        do = jax.random.normal(jax.random.PRNGKey(20 + h), (1, args.seq, h, kd), jnp.bfloat16)
+        inputs_by_h[h] = (x, do)
+        names = ("q", "k", "v", "g", "beta", "a_log", "dt_bias")
+        host = {n: np.asarray(a.astype(jnp.float32)) for n, a in zip(names, x, strict=True)}
+        host["do"] = np.asarray(do.astype(jnp.float32))
+        np.savez(TMP / f"inputs_H{h}.npz", **host)
+
+    fns = {}
+    for h in args.heads:
+        x, do = inputs_by_h[h]
+        for vname, kw in variant_list:
+            def fwd(*a, kw=kw):
+                return kda_pallas(*a[:5], scale=kd ** -0.5, use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
+                                  lower_bound=-5.0, **kw)
+
+            def fwdbwd(*a, fwd=fwd):
+                o, vjp = jax.vjp(lambda *b: fwd(*b)[0], *a[:7])
+                return vjp(a[7])
+
+            fns[(h, vname)] = (jax.jit(fwd), jax.jit(fwdbwd))
+            t0 = time.time()
+            try:
+                jax.block_until_ready(fns[(h, vname)][0](*x))
+                jax.block_until_ready(fns[(h, vname)][1](*x, do))
+                print(f"compiled H={h} {vname} in {time.time() - t0:.1f}s", flush=True)
+            except Exception as e:
+                results[f"H{h}_{vname}"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                print("FAILED", h, vname, str(e)[:3000], flush=True)
+                fns.pop((h, vname))
+        if have_chunked:
+            def cfwd(*a):
+                return ours(*a, impl="chunked")
+
+            def cfwdbwd(*a):
+                o, vjp = jax.vjp(lambda *b: cfwd(*b)[0], *a[:7])
+                return vjp(a[7])
+
+            fns[(h, "chunked")] = (jax.jit(cfwd), jax.jit(cfwdbwd))
+            try:
+                jax.block_until_ready(fns[(h, "chunked")][0](*x))
+                jax.block_until_ready(fns[(h, "chunked")][1](*x, do))
+            except Exception as e:
+                results[f"H{h}_chunked"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                fns.pop((h, "chunked"))
+    report["jax_ready_s"] = round(time.time() - t_start, 1)
+
+    if worker is not None:
+        while not (TMP / "fla_tuned").exists() and worker.poll() is None:
+            time.sleep(0.5)
+        report["fla_autotune_s"] = (TMP / "fla_tuned").read_text() if (TMP / "fla_tuned").exists() else None
+    for (h, vname), (f1, f2) in fns.items():
+        x, do = inputs_by_h[h]
+        tok = args.seq * h
+        bytes_min = tok * (2 * 4 * kd + 2 + 2 * kd) + h * kd * kd * 4
+        r = {"fwd_ms": timeit(f1, *x), "fwdbwd_ms": timeit(f2, *x, do, n=10)}
+        r["fwd_GBps_min_bytes"] = bytes_min / r["fwd_ms"] / 1e6
+        r["fwdbwd_GBps_min_bytes"] = 3 * bytes_min / r["fwdbwd_ms"] / 1e6
+        r["fwd_TFLOPs"] = tok * flop_fwd_tok / r["fwd_ms"] / 1e9
+        r["fwdbwd_TFLOPs"] = 3 * tok * flop_fwd_tok / r["fwdbwd_ms"] / 1e9
+        results[f"H{h}_{vname}"] = r
+        print(f"H={h} {vname}: {r}", flush=True)
+
+    # ---- 5. FLA ------------------------------------------------------------------------------
+    if worker is not None:
+        (TMP / "fla_go").write_text("go")
+        worker.wait(timeout=900)
+        if (TMP / "fla_result.json").exists():
+            fr = json.loads((TMP / "fla_result.json").read_text())
+            report["fla"] = fr
+            for h in args.heads:
+                x, do = inputs_by_h[h]
+                agree = {}
+                if (TMP / f"fla_out_H{h}.npz").exists() and (h, "default") in fns:
+                    fo = np.load(TMP / f"fla_out_H{h}.npz")
+                    o, ht = fns[(h, "default")][0](*x)
+                    agree["o"] = rel(o, fo["o"])
+                    agree["final_state"] = rel(ht, fo["ht"])
+                    grads = fns[(h, "default")][1](*x, do)
+                    for name, gr in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias"), grads, strict=True):
+                        agree["d" + name] = rel(gr, fo["d" + name])
+                report[f"agreement_vs_fla_H{h}"] = agree
+                ours_r = results.get(f"H{h}_default", {})
+                if "fwd_ms" in ours_r and f"H{h}" in fr:
+                    ours_r["fwd_ratio_to_fla"] = ours_r["fwd_ms"] / fr[f"H{h}"]["fwd_ms"]
+                    ours_r["fwdbwd_ratio_to_fla"] = ours_r["fwdbwd_ms"] / fr[f"H{h}"]["fwdbwd_ms"]
+        else:
+            report["fla"] = {"error": "worker produced no result; see fla_worker.log"}
+    report["results"] = results
+    (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
+    if (TMP / "fla_worker.log").exists():
+        (out_dir / "fla_worker.log").write_text((TMP / "fla_worker.log").read_text())
+    print("\n=== summary (ms) ===")
+    for key, r in results.items():
+        print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
+    if "fla" in report:
+        print("fla", report["fla"])
+    for h in args.heads:
+        print(f"agreement H{h}", report.get(f"agreement_vs_fla_H{h}"))
+
+
+
+if __name__ == "__main__":
+    main()
