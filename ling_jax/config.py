@@ -157,7 +157,9 @@ class LingConfig:
     pad_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     initializer_range: float = 0.02
-    quantization: QuantConfig | None = None
+    # storage format of the checkpoint's weights: not part of the function the model computes, so
+    # not compared (an FP8 and a BF16 checkpoint of one model share their compiled functions)
+    quantization: QuantConfig | None = dataclasses.field(default=None, compare=False)
     # --- runtime options (not in config.json) ---
     kda_impl: str = "auto"
     moe_impl: str = "ragged"
@@ -207,13 +209,10 @@ class LingConfig:
         kw["quantization"] = QuantConfig.from_hf(q) if q else None
         kw["hf_json"] = json.dumps(d, sort_keys=True)
         kw.update(options)
-        cfg = cls(**kw)
-        if "qk_head_dim" in d and d["qk_head_dim"] != cfg.qk_head_dim:
-            raise ConfigError(
-                f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim "
-                f"= {cfg.qk_head_dim}"
-            )
-        return cfg
+        split = d.get("qk_nope_head_dim", cls.qk_nope_head_dim) + d.get("qk_rope_head_dim", cls.qk_rope_head_dim)
+        if "qk_head_dim" in d and d["qk_head_dim"] != split:
+            raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = {split}")
+        return cls(**kw)
 
     @classmethod
     def preset(cls, name: str, **options: Any) -> LingConfig:

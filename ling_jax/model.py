@@ -26,7 +26,7 @@ from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops.attention import attention_mask as visibility
-from ling_jax.params import Params
+from ling_jax.params import Params, layer_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,18 @@ def run_stack(cfg: LingConfig, params: Params, x_BTD: jax.Array, ctx: Context, *
                                                   {"hidden": ys_k[0], "router": ys_k[1]}))
                 collected.append(jax.tree.map(lambda a, n=n: a[n], {"hidden": y_m[0], "router": y_m[1]}))
     return x_BTD, collected
+
+
+def apply_layer(cfg: LingConfig, params: Params, i: int, x_BTD: jax.Array,
+                ctx: Context) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Runs main or MTP layer `i` alone on x (per-layer tests and debugging): (x, router aux)."""
+    p = layer_params(cfg, params, i)
+    x_BTD, _, aux = _layer_jit(p, x_BTD, _limits(cfg, np.array(i)), cfg=cfg, mixer=cfg.mixer_of(i),
+                               ffn=cfg.ffn_of(i), ctx=ctx)
+    return x_BTD, aux
+
+
+_layer_jit = jax.jit(decoder_layer, static_argnames=("cfg", "mixer", "ffn"))
 
 
 def embed(params: Params, ids_BT: jax.Array) -> jax.Array:

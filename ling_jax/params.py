@@ -271,29 +271,82 @@ def param_shapes(cfg: LingConfig, dtype: Any = jnp.bfloat16) -> Params:
     return build_tree(cfg, lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype(dtype)))
 
 
-def _init_leaf(slot: ParamSlot, key: jax.Array, dtype: Any, std: float) -> jax.Array:
-    shape, kind, dt = slot.shape, slot.leaf.init, slot.dtype(dtype)
-    if kind == "ones":
-        return jnp.ones(shape, dt)
-    if kind == "zeros":
-        return jnp.zeros(shape, dt)
-    if kind == "a_log":  # log U(1, 16)
-        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dt)
-    if kind in ("conv", "router"):  # PyTorch's kaiming-uniform(a=sqrt 5) bound 1/sqrt(fan_in)
-        fan_in = shape[-1] if kind == "conv" else shape[-2]
-        bound = 1.0 / math.sqrt(fan_in)
-        return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dt)
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+def materialize(cfg: LingConfig, element: Callable[[ParamSlot, tuple[int, ...]], np.ndarray], dtype: Any,
+                sharding: Callable[[ParamSlot], jax.sharding.Sharding], on_leaf: Callable[[int], None] | None = None
+                ) -> Params:
+    """Builds the param pytree leaf by leaf with `jax.make_array_from_callback`.
+
+    `element(slot, idx)` returns one stacked element (one layer's tensor, or one expert's) in our
+    layout; each device's callback assembles only the elements and slices of its own shard, so no
+    leaf is ever whole in host memory or on one device when `sharding` splits it.
+    """
+
+    def make(slot: ParamSlot) -> jax.Array:
+        dt = np.dtype(slot.dtype(dtype))
+        ns = len(slot.stack_shape)
+
+        def callback(index: tuple[slice, ...]) -> np.ndarray:
+            index = tuple(index) + (slice(None),) * (len(slot.shape) - len(index))
+            ranges = [range(*sl.indices(n)) for sl, n in zip(index[:ns], slot.stack_shape, strict=True)]
+            out = None
+            for pos in itertools.product(*(enumerate(r) for r in ranges)):
+                piece = element(slot, tuple(p[1] for p in pos))[index[ns:]].astype(dt)
+                if out is None:
+                    out = np.empty([len(r) for r in ranges] + list(piece.shape), dt)
+                out[tuple(p[0] for p in pos)] = piece
+            return out
+
+        arr = jax.make_array_from_callback(slot.shape, sharding(slot), callback)
+        if on_leaf is not None:
+            on_leaf(arr.nbytes)
+        return arr
+
+    return build_tree(cfg, make)
 
 
-def init_params(cfg: LingConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Random params with the reference's initialisation (ARCHITECTURE.md §2.9), for tests and demos."""
-    slots = param_slots(cfg)
-    keys = jax.random.split(key, len(slots))
-    tree: Params = {"segments": [], "mtp": []}
-    for slot, k in zip(slots, keys, strict=True):
-        set_path(tree, slot.path, _init_leaf(slot, k, dtype, cfg.initializer_range))
-    return tree
+def default_sharding(cfg: LingConfig, mesh: jax.sharding.Mesh | None) -> Callable[[ParamSlot], jax.sharding.Sharding]:
+    """Our sharding table on `mesh`, or everything on the first device."""
+    if mesh is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return lambda slot: single
+    from ling_jax.sharding import param_sharding
+
+    return lambda slot: param_sharding(cfg, slot, mesh)
+
+
+def random_element(cfg: LingConfig, seed: int) -> Callable[[ParamSlot, tuple[int, ...]], np.ndarray]:
+    """One element of a freshly initialised leaf, reproducible from (seed, leaf, element index).
+
+    The reference's initialisation (ARCHITECTURE.md §2.9): linear weights N(0, initializer_range),
+    norms 1, A_log = log U(1, 16), dt_bias and expert_bias 0, conv and router weights
+    kaiming-uniform (bound 1/sqrt(fan_in)). Host numpy, so it costs no compilation.
+    """
+    slot_ids = {slot.path: i for i, slot in enumerate(param_slots(cfg))}
+
+    def element(slot: ParamSlot, idx: tuple[int, ...]) -> np.ndarray:
+        shape = slot.shape[len(slot.stack_shape):]
+        kind = slot.leaf.init
+        if kind in ("ones", "zeros"):
+            return (np.ones if kind == "ones" else np.zeros)(shape, np.float32)
+        rng = np.random.default_rng([seed, slot_ids[slot.path], *idx])
+        if kind == "a_log":
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        if kind in ("conv", "router"):
+            bound = 1.0 / math.sqrt(shape[-1] if kind == "conv" else shape[-2])
+            return rng.uniform(-bound, bound, shape).astype(np.float32)
+        return (cfg.initializer_range * rng.standard_normal(shape, np.float32)).astype(np.float32)
+
+    return element
+
+
+def init_params(cfg: LingConfig, seed: int = 0, dtype: Any = jnp.float32,
+                mesh: jax.sharding.Mesh | None = None) -> Params:
+    """Random params (see `random_element`) for tests, demos and training from scratch.
+
+    With `mesh`, every array is created directly in its sharding (each device generates only its
+    shard's elements), so models larger than one device can be initialised.
+    """
+    return materialize(cfg, random_element(cfg, seed), dtype, default_sharding(cfg, mesh))
 
 
 def layer_params(cfg: LingConfig, params: Params, i: int) -> Params:

@@ -10,7 +10,6 @@ so no array is ever materialised whole on one device or in host memory when a me
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from ling_jax.checkpoint import fp8
 from ling_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
 from ling_jax.config import LingConfig
-from ling_jax.params import Leaf, Params, ParamSlot, build_tree, param_slots
+from ling_jax.params import Leaf, Params, ParamSlot, default_sharding, materialize, param_slots
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 ALIASES = {"mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias"}
@@ -108,26 +107,6 @@ class HFSource:
         return arr
 
 
-def _slot_callback(src: HFSource, slot: ParamSlot, dtype: np.dtype):
-    """The `make_array_from_callback` callback of one leaf: assembles any requested shard."""
-    ns = len(slot.stack_shape)
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(slot.shape) - len(index))
-        ranges = [range(*sl.indices(n)) for sl, n in zip(index[:ns], slot.stack_shape, strict=True)]
-        tail = index[ns:]
-        out = None
-        for pos in itertools.product(*(enumerate(r) for r in ranges)):
-            local = tuple(p[0] for p in pos)
-            piece = src.read(slot.hf_name(tuple(p[1] for p in pos)), slot.leaf)[tail].astype(dtype)
-            if out is None:
-                out = np.empty([len(r) for r in ranges] + list(piece.shape), dtype)
-            out[local] = piece
-        return out
-
-    return callback
-
-
 def load_hf_checkpoint(
     path: str | Path, *, dtype: Any = "float32", mesh: jax.sharding.Mesh | None = None,
     show_progress: bool = False, **config_options: Any,
@@ -144,21 +123,8 @@ def load_hf_checkpoint(
     src = HFSource(path, cfg)
     slots = param_slots(cfg)
     src.validate(slots)
-    if mesh is None:
-        shardings = {slot.path: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for slot in slots}
-    else:
-        from ling_jax.sharding import param_sharding
-
-        shardings = {slot.path: param_sharding(cfg, slot, mesh) for slot in slots}
     total = sum(int(np.prod(s.shape)) * np.dtype(s.dtype(dtype)).itemsize for s in slots)
-    bar = tqdm(total=total, desc="loading", unit="B", unit_scale=True, disable=not show_progress)
-
-    def make(slot: ParamSlot) -> jax.Array:
-        dt = np.dtype(slot.dtype(dtype))
-        arr = jax.make_array_from_callback(slot.shape, shardings[slot.path], _slot_callback(src, slot, dt))
-        bar.update(arr.nbytes)
-        return arr
-
-    params = build_tree(cfg, make)
-    bar.close()
+    with tqdm(total=total, desc="loading", unit="B", unit_scale=True, disable=not show_progress) as bar:
+        params = materialize(cfg, lambda slot, idx: src.read(slot.hf_name(idx), slot.leaf), dtype,
+                             default_sharding(cfg, mesh), on_leaf=bar.update)
     return cfg, params

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -80,6 +80,9 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.header)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.header)
+
     def dtype_name(self, name: str) -> str:
         return self.header[name]["dtype"]
 
@@ -129,6 +132,9 @@ class SafetensorsDir:
 
     def keys(self) -> list[str]:
         return list(self.where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
 
     def file_of(self, name: str) -> SafetensorsFile:
         return self.files[self.where[name]]

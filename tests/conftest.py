@@ -1,0 +1,42 @@
+"""Shared test setup: 8 simulated CPU devices, full-precision matmuls, a persistent jit cache,
+and the golden checkpoints (copied from ../shared/golden into tests/golden)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+CACHE = os.environ.get("LING_JAX_TEST_CACHE", str(Path.home() / ".cache" / "ling-jax-tests"))
+jax.config.update("jax_compilation_cache_dir", CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def rel_l2(x, y) -> float:
+    """||x - y|| / ||y|| over the whole array, in float64."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+@pytest.fixture(scope="session")
+def golden_a():
+    """(config, float32 params, golden arrays) of SET A, loaded through the real HF loader."""
+    import ling_jax
+
+    cfg, params = ling_jax.load_hf_checkpoint(GOLDEN / "ling3_tiny_a", dtype="float32")
+    return cfg, params, dict(np.load(GOLDEN / "ling3_tiny_a" / "golden.npz"))
+
+
+@pytest.fixture(scope="session")
+def golden_fp8():
+    import ling_jax
+
+    cfg, params = ling_jax.load_hf_checkpoint(GOLDEN / "ling3_tiny_a_fp8", dtype="float32")
+    return cfg, params, dict(np.load(GOLDEN / "ling3_tiny_a_fp8" / "golden.npz"))
