@@ -244,6 +244,10 @@ class LingConfig:
         return d
 
     def __post_init__(self) -> None:
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "eos_token_id"):
+            v = getattr(self, name)
+            if isinstance(v, list):  # keep the config hashable (it is a static jit argument)
+                object.__setattr__(self, name, tuple(v))
         def need(ok: bool, field: str, why: str) -> None:
             if not ok:
                 raise ConfigError(f"{field}={getattr(self, field)!r}: {why}")

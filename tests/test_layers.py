@@ -1,0 +1,122 @@
+"""Unit tests of the blocks around the hot paths: clamp, RoPE, router, expert dispatch, short conv."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import rel_l2
+
+from ling_jax.config import LingConfig
+from ling_jax.layers.kda import short_conv
+from ling_jax.layers.mlp import swiglu_act
+from ling_jax.layers.moe import route
+from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.rope import apply_rope, rope_cos_sin
+from ling_jax.ops.moe import routed_experts
+
+
+def test_swiglu_clamp():
+    gate = jnp.array([-20.0, 0.5, 30.0])
+    up = jnp.array([-20.0, 0.5, 30.0])
+    np.testing.assert_allclose(swiglu_act(gate, up, 0.0), jax.nn.silu(gate) * up)
+    want = jnp.minimum(jax.nn.silu(gate), 10.0) * jnp.clip(up, -10.0, 10.0)
+    np.testing.assert_allclose(swiglu_act(gate, up, 10.0), want)
+    assert float(swiglu_act(gate, up, 10.0)[2]) == 100.0  # gate clamped above, up clipped
+
+
+def test_rope_matches_reference_deinterleaved_form():
+    """Ours keeps pairs (2i, 2i+1) in place; the reference de-interleaves then rotates halves."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 5, 3, 16)).astype(np.float32)
+    pos = jnp.arange(5)[None] + 7
+    cos, sin = rope_cos_sin(pos, 16, 10000.0)
+    ours = np.asarray(apply_rope(jnp.asarray(x), cos, sin))
+    xd = np.concatenate([x[..., 0::2], x[..., 1::2]], -1)  # de-interleave
+    c = np.concatenate([np.asarray(cos)] * 2, -1)[:, :, None]
+    s = np.concatenate([np.asarray(sin)] * 2, -1)[:, :, None]
+    rot = np.concatenate([-xd[..., 8:], xd[..., :8]], -1)
+    ref = xd * c + rot * s  # de-interleaved order
+    np.testing.assert_allclose(np.concatenate([ours[..., 0::2], ours[..., 1::2]], -1), ref, atol=1e-6)
+
+
+def test_rms_norm_casts_before_weight():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 64)), jnp.bfloat16)
+    w = jnp.full((64,), 1.7, jnp.bfloat16)
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(rms_norm(x, w, 1e-6), normed * w)
+
+
+def test_router_group_limited_selection_and_weights():
+    cfg = LingConfig.preset("debug")  # 8 experts, 4 groups of 2, keep 2 groups, top-2
+    w = jnp.eye(8, dtype=jnp.float32)[:, :8]  # logits = x
+    x = jnp.array([[3.0, -3.0, 2.0, 2.0, 0.0, 0.0, 2.5, -9.0]])
+    bias = jnp.zeros(8)
+    idx, wts, logits = route(x, w, bias, cfg)
+    s = jax.nn.sigmoid(x[0])
+    group = np.asarray(s).reshape(4, 2).sum(1)  # group score: sum of top-2 (= both) per group
+    keep = np.argsort(-group)[:2]
+    allowed = np.concatenate([[2 * g, 2 * g + 1] for g in keep])
+    best = allowed[np.argsort(-np.asarray(s)[allowed])[:2]]
+    assert sorted(np.asarray(idx[0]).tolist()) == sorted(best.tolist())
+    np.testing.assert_allclose(np.asarray(wts[0]), 2.5 * np.asarray(s)[np.asarray(idx[0])] /
+                               np.asarray(s)[np.asarray(idx[0])].sum(), rtol=1e-6)
+    # the bias changes the selection but not the weights' source (unbiased scores)
+    bias = jnp.zeros(8).at[7].set(5.0).at[6].set(5.0)
+    idx_b, wts_b, _ = route(x, w, bias, cfg)
+    assert sorted(np.asarray(idx_b[0]).tolist()) == [6, 7]
+    np.testing.assert_allclose(np.asarray(wts_b[0]).sum(), 2.5, rtol=1e-6)
+    w7 = float(wts_b[0][np.asarray(idx_b[0]) == 7][0])
+    np.testing.assert_allclose(w7, 2.5 * float(s[7]) / float(s[6] + s[7]), rtol=1e-5)  # unbiased score
+    assert w7 < 0.01
+
+
+def test_ragged_experts_equal_dense_including_skew():
+    rng = np.random.default_rng(2)
+    n, d, e, i, k = 40, 16, 8, 12, 3
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((e, d, i)) * 0.2, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((e, i, d)) * 0.2, jnp.float32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    for idx in (rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k],  # spread
+                np.tile(np.array([5, 6, 7]), (n, 1))):  # every token on the same 3 experts
+        idx = jnp.asarray(idx, jnp.int32)
+        a = routed_experts(x, idx, w, wg, wu, wd, impl="ragged", limit=0.5)
+        b = routed_experts(x, idx, w, wg, wu, wd, impl="dense", limit=0.5)
+        assert rel_l2(a, b) < 1e-6
+
+
+def test_short_conv_state_continues_sequence():
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((2, 10, 6)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+    full, state_full = short_conv(a, w, None)
+    first, state = short_conv(a[:, :7], w, None)
+    second, state2 = short_conv(a[:, 7:], w, state)
+    np.testing.assert_allclose(jnp.concatenate([first, second], 1), full, rtol=1e-6)
+    np.testing.assert_array_equal(state2, state_full)
+    # explicit formula at t = 5: taps j = 0..3 multiply a[t - 3 + j]
+    want = jax.nn.silu(sum(w[:, j] * a[:, 5 - 3 + j] for j in range(4)))
+    np.testing.assert_allclose(full[:, 5], want, rtol=1e-6)
+    # a segment starting at t = 5 sees zeros before it
+    seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 5], 2, 0))
+    segd, _ = short_conv(a, w, None, seg)
+    np.testing.assert_allclose(segd[:, 5], jax.nn.silu(w[:, 3] * a[:, 5]), rtol=1e-6)
+
+
+def test_swiglu_clamp_lists_reach_the_model():
+    """Config limit lists are on by default and switchable: they change exactly the listed layers."""
+    import ling_jax
+    from ling_jax.params import init_params
+
+    cfg = LingConfig.preset("debug", expert_swiglu_limit_list=[0, 0, 0, 0, 0, 1e-3],
+                            share_expert_swiglu_limit_list=[0, 0, 0, 0, 0, 1e-3])
+    params = init_params(cfg, seed=1)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 8)))
+    on = ling_jax.forward(cfg, params, ids)
+    off = ling_jax.forward(LingConfig.preset("debug", swiglu_clamp=False, expert_swiglu_limit_list=[0] * 5 + [1e-3],
+                                             share_expert_swiglu_limit_list=[0] * 5 + [1e-3]), params, ids)
+    plain = ling_jax.forward(LingConfig.preset("debug"), params, ids)
+    assert rel_l2(off, plain) < 1e-6
+    assert rel_l2(on, plain) > 1e-4
