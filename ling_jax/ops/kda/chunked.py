@@ -12,8 +12,11 @@ Derivation, per (sequence, head), for one chunk of rows i = 1..C entering with s
 (q already scaled). So U = (I + A_kk)⁻¹ [β ⊙ V  -  β ⊙ (e^Γ ⊙ K) S0] = U_c - W S0 with
 U_c = T V, W = T (e^Γ ⊙ K), T = (I + A_kk)⁻¹ diag(β): the form of ARCHITECTURE.md §2.4, which this
 derivation confirms. [U_c | W] comes from one unit-lower-triangular solve of (I + A_kk) against
-[β V | β e^Γ K] with `solve_triangular` (measured on CPU, B=1 T=1024 H=4 K=V=128: forward 64 ms, grad
-0.64 s, grad compile 3.5 s, against 71 ms, 0.83 s and 6.9 s for a `fori_loop` forward substitution).
+[β V | β e^Γ K] with `solve_triangular` (LAPACK/cuBLAS trsm). Measured on CPU against a
+`fori_loop` forward substitution (B=1 T=1024 H=4 K=V=128, loaded 2-core machine): forward 55-67 ms vs
+41 ms, grad 0.47 s vs 0.41 s, grad temporaries 37 MiB vs 51 MiB, compile times equal. The loop is a
+little faster here but is C dependent steps per chunk (C tiny kernels per chunk on GPU), so the
+single solve is kept.
 
 Overflow and rounding (ARCHITECTURE.md §6 item 7). Never form e^Γ_i · e^-Γ_j: with g down to -5 a
 64-token chunk reaches Γ = -320. The chunk is split into sub-chunks of s = 16 tokens (a, b index
@@ -25,14 +28,14 @@ sub-chunks), and every exponent is built from sums of g over exactly the tokens 
     whose two factors are both ≤ 1, so no overflow for any g ≤ 0 (a strong decay only underflows,
     towards the true value 0);
   * diagonal blocks (i, j in one sub-chunk): the pairwise partial sums D[i, j] = Σ_{j < t ≤ i} g_t
-    as a masked cumulative sum, then exp, as a [s, s, K] tensor per sub-chunk (C·s·K per chunk,
-    a quarter of the full pairwise [C, C, K]);
+    (a masked sum), then exp, as a [s, s, K] tensor per sub-chunk (C·s·K per chunk, a quarter of
+    the full pairwise [C, C, K]);
   * the incoming state and the state update use e^(E_a + gl_i) and e^(rl_j + F_a), where E_a, F_a
     sum the whole sub-chunks before/after a.
 Every exponent is ≤ 0, and each is a direct sum of the g it spans, so its rounding error scales
 with its own size (|x| e^x · eps), never with |Γ| ~ 320 as a difference Γ_i - Γ_j of chunk-level
-cumulative sums would (with g in [-5, -4.5] that puts up to 3.4e-5 relative error, 1e-5 on average at
-the chunk end, on the neighbour terms e^g; here the chunked path agrees with the reference to ~2e-7). The full
+cumulative sums would (with g in [-5, -4.5] that puts up to 3.4e-5 relative error, 1e-5 on average
+at the chunk end, on the neighbour terms e^g; this path agrees with the reference to ~2e-7). The full
 pairwise [C, C, K] form is equally exact but costs 4x the exps and 4x the per-chunk memory (2 MiB
 per (sequence, head) at C = 64, K = 128), and the sub-chunk factorisation around a reference row
 inside the sub-chunk (upstream fla) reaches e^75 at g = -5 and overflows for unbounded gates.
@@ -49,13 +52,14 @@ The tail is padded to a multiple of `chunk_size` with k = v = β = g = 0 (no sta
 internal math and the state are float32; the output is cast to v's dtype. Differentiable by plain
 autodiff through the scan; the chunk body is rematerialised (`jax.checkpoint`), so the backward pass
 stores only the state entering each chunk, not the body's residuals: the grad's temporary memory
-drops from 270 MiB to 35 MiB at the size above, for the same run time.
+drops from 267 MiB to 37 MiB at the size above, and the grad runs no slower (0.50 s vs 0.61 s).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ling_jax.ops.kda.reference import segment_starts
 
@@ -67,29 +71,15 @@ def _sub_chunk_size(chunk_size: int) -> int:
     return max(s for s in range(1, min(chunk_size, _SUB) + 1) if chunk_size % s == 0)
 
 
-def _shift_exclusive(x: jax.Array, axis: int, reverse: bool) -> jax.Array:
-    """Exclusive cumulative sum along `axis` (forward, or from the end when `reverse`)."""
-    axis = axis % x.ndim
-    n = x.shape[axis]
-    zero = jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=axis))
-    if reverse:
-        shifted = jnp.concatenate([jax.lax.slice_in_dim(x, 1, n, axis=axis), zero], axis=axis)
-    else:
-        shifted = jnp.concatenate([zero, jax.lax.slice_in_dim(x, 0, n - 1, axis=axis)], axis=axis)
-    return jax.lax.cumsum(shifted, axis=axis, reverse=reverse)
+def _masked_sums(spec: str, mask: np.ndarray, x: jax.Array) -> jax.Array:
+    """Sums of x over the entries a static 0/1 `mask` selects, as an einsum `spec` (mask first).
 
-
-def _pairwise_sums(x: jax.Array) -> jax.Array:
-    """x [..., n, K] -> D [..., n(i), n(j), K] with D[i, j] = Σ_{j < t ≤ i} x_t (0 where i ≤ j).
-
-    A cumulative sum over t of terms zeroed for t ≤ j, so each D[i, j] adds exactly the x it spans
-    and its rounding error scales with its own size.
+    Every gate exponent is such a sum over exactly the tokens it spans (zero terms are exact), so
+    its rounding error scales with its own size. Float32 at HIGHEST precision (never bf16/tf32
+    passes). A masked matmul compiles several times faster on CPU than `lax.cumsum` (an
+    associative scan there) and is an MXU/tensor-core op elsewhere.
     """
-    n = x.shape[-2]
-    idx = jnp.arange(n)
-    after_j = (idx[:, None] > idx[None, :])[:, :, None]  # [n(t), n(j), 1]: t > j
-    terms = jnp.where(after_j, x[..., :, None, :], 0.0)  # [..., n(t), n(j), K]
-    return jax.lax.cumsum(terms, axis=terms.ndim - 3)  # sum over t ≤ i
+    return jnp.einsum(spec, jnp.asarray(mask, jnp.float32), x, precision=jax.lax.Precision.HIGHEST)
 
 
 def _chunk_body(
@@ -113,15 +103,19 @@ def _chunk_body(
 
     # ---- gate sums over sub-chunks (a indexes the sub-chunk of a row, s its row inside it)
     g_BHNSK = g_BHCK.reshape(b, h, n, sub, dk)
-    gl_BHNSK = jax.lax.cumsum(g_BHNSK, axis=3)  # from sub-chunk start to row, inclusive
-    rl_BHNSK = _shift_exclusive(g_BHNSK, axis=3, reverse=True)  # after row to sub-chunk end
+    i_S, i_N = np.arange(sub), np.arange(n)
+    # gl_i = Σ_{t ≤ i} g_t and rl_j = Σ_{t > j} g_t inside the sub-chunk; D[i, j] = Σ_{j < t ≤ i} g_t
+    gl_BHNSK = _masked_sums("it,bhntk->bhnik", i_S[None, :] <= i_S[:, None], g_BHNSK)
+    rl_BHNSK = _masked_sums("jt,bhntk->bhnjk", i_S[None, :] > i_S[:, None], g_BHNSK)
+    d_mask_SSS = (i_S[None, :, None] < i_S[None, None, :]) & (i_S[None, None, :] <= i_S[:, None, None])
+    d_BHNSSK = _masked_sums("ijt,bhntk->bhnijk", d_mask_SSS, g_BHNSK)
+    # whole sub-chunks: E[a] = Σ_{c < a}, F[a] = Σ_{c > a}, P[a, b] = Σ_{b < c < a}, Γ_C = Σ_c
     tot_BHNK = jnp.sum(g_BHNSK, axis=3)
-    e_BHNK = _shift_exclusive(tot_BHNK, axis=2, reverse=False)  # whole sub-chunks before a
-    f_BHNK = _shift_exclusive(tot_BHNK, axis=2, reverse=True)  # whole sub-chunks after a
-    # P[a, b] = Σ_{b < c < a} tot_c: the inclusive pairwise sums, shifted down one sub-chunk
-    p_incl_BHNNK = _pairwise_sums(tot_BHNK)
-    p_BHNNK = jnp.concatenate([jnp.zeros_like(p_incl_BHNNK[:, :, :1]), p_incl_BHNNK[:, :, :-1]], axis=2)
-    d_BHNSSK = _pairwise_sums(g_BHNSK)  # within-sub-chunk pairwise sums, row i, col j
+    e_BHNK = _masked_sums("ac,bhck->bhak", i_N[None, :] < i_N[:, None], tot_BHNK)
+    f_BHNK = _masked_sums("ac,bhck->bhak", i_N[None, :] > i_N[:, None], tot_BHNK)
+    p_mask_NNN = (i_N[None, :, None] < i_N[None, None, :]) & (i_N[None, None, :] < i_N[:, None, None])
+    p_BHNNK = _masked_sums("xyc,bhck->bhxyk", p_mask_NNN, tot_BHNK)
+    gc_BHK = jnp.sum(tot_BHNK, axis=2)
 
     q_BHNSK = q_BHCK.reshape(b, h, n, sub, dk)
     k_BHNSK = k_BHCK.reshape(b, h, n, sub, dk)
@@ -141,11 +135,10 @@ def _chunk_body(
     oqk_BHNSNS = jnp.einsum("bhaik,bhacjk->bhaicj", lq_BHNSK, rk_BHNNSK)
     okk_BHNSNS = jnp.einsum("bhaik,bhacjk->bhaicj", lk_BHNSK, rk_BHNNSK)
 
-    idx_N = jnp.arange(n)
-    same_blk_N1N1 = (idx_N[:, None] == idx_N[None, :])[:, None, :, None]
-    idx_C = jnp.arange(c)
-    incl_CC = idx_C[:, None] >= idx_C[None, :]
-    strict_CC = idx_C[:, None] > idx_C[None, :]
+    i_C = np.arange(c)
+    same_blk_N1N1 = (i_N[:, None] == i_N[None, :])[:, None, :, None]
+    incl_CC = jnp.asarray(i_C[:, None] >= i_C[None, :])
+    strict_CC = jnp.asarray(i_C[:, None] > i_C[None, :])
 
     def assemble(diag_BHNSS: jax.Array, off_BHNSNS: jax.Array) -> jax.Array:
         full = jnp.where(same_blk_N1N1, diag_BHNSS[:, :, :, :, None, :], off_BHNSNS)
@@ -155,12 +148,13 @@ def _chunk_body(
     akk_BHCC = assemble(dkk_BHNSS, okk_BHNSNS)
     eg_BHCK = jnp.exp(e_BHNK[:, :, :, None, :] + gl_BHNSK).reshape(b, h, c, dk)  # e^Γ_i
     eend_BHCK = jnp.exp(f_BHNK[:, :, :, None, :] + rl_BHNSK).reshape(b, h, c, dk)  # e^(Γ_C - Γ_j)
-    decay_BHK = jnp.exp(jnp.sum(tot_BHNK, axis=2))  # e^Γ_C
+    decay_BHK = jnp.exp(gc_BHK)  # e^Γ_C
 
     qmask_BHCC, kmask_BHCC = incl_CC[None, None], strict_CC[None, None]
     s0_dec_BHKV = s0_BHKV  # the incoming state's share of the outgoing one, e^Γ_C S0
     if with_segments:
-        seg_BC = jnp.cumsum(reset_BC.astype(jnp.int32), axis=1)
+        # seg_i = number of resets at rows ≤ i (exact small integers in float32)
+        seg_BC = _masked_sums("it,bt->bi", i_C[None, :] <= i_C[:, None], reset_BC.astype(f32))
         same_B1CC = (seg_BC[:, :, None] == seg_BC[:, None, :])[:, None]
         qmask_BHCC = qmask_BHCC & same_B1CC
         kmask_BHCC = kmask_BHCC & same_B1CC
