@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -66,26 +67,38 @@ def make_context(cfg: LingConfig, input_ids: jax.Array, *, attention_mask: jax.A
     return Context(cos, sin, mask, valid, segment_ids)
 
 
-def decoder_layer(
-    p: Params, x_BTD: jax.Array, limits: jax.Array, *, cfg: LingConfig, mixer: Mixer, ffn: Ffn,
-    ctx: Context,
-) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array]]:
-    """One pre-norm decoder layer: x -> (x, mixer cache, router aux).
+MixerFn = Callable[[Params, jax.Array, Mixer, Any], tuple[jax.Array, Any]]
 
+
+def decoder_layer(
+    p: Params, x_BTD: jax.Array, limits: jax.Array, *, cfg: LingConfig, ffn: Ffn,
+    mix: Callable[[Params, jax.Array], tuple[jax.Array, Any]],
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """One pre-norm decoder layer: x -> (x, what the mixer returned besides its output, router aux).
+
+    `mix(attn_params, normed_x)` is the layer's KDA or MLA mixer in the mode of the caller
+    (training/prefill over T tokens, or one decode step against a cache).
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
-    h = rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps)
-    if mixer == "kda":
-        a, cache = kda_mixer(p["attn"], h, cfg=cfg, valid_BT=ctx.valid_BT, segment_ids=ctx.segment_ids)
-    else:
-        a, cache = mla_mixer(p["attn"], h, cfg=cfg, cos=ctx.cos, sin=ctx.sin, mask_BTS=ctx.mask_BTS)
+    a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
     x_BTD = x_BTD + a
     h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
     if ffn == "dense":
         f, aux = mlp(h, p["mlp"]["gate_proj"], p["mlp"]["up_proj"], p["mlp"]["down_proj"]), {}
     else:
         f, aux = moe(p["mlp"], h, cfg=cfg, limit=limits[0], shared_limit=limits[1])
-    return x_BTD + f, cache, aux
+    return x_BTD + f, mixer_out, aux
+
+
+def sequence_mixer(cfg: LingConfig, ctx: Context) -> MixerFn:
+    """The T-token mixers (training, forward, prefill): (attn params, x, kind, cache in) -> (out, cache out)."""
+
+    def mix(p: Params, h: jax.Array, mixer: Mixer, cache: Any) -> tuple[jax.Array, Any]:
+        if mixer == "kda":
+            return kda_mixer(p, h, cfg=cfg, valid_BT=ctx.valid_BT, segment_ids=ctx.segment_ids, cache=cache)
+        return mla_mixer(p, h, cfg=cfg, cos=ctx.cos, sin=ctx.sin, mask_BTS=ctx.mask_BTS)
+
+    return mix
 
 
 def _limits(cfg: LingConfig, layers: np.ndarray) -> jnp.ndarray:
@@ -93,60 +106,77 @@ def _limits(cfg: LingConfig, layers: np.ndarray) -> jnp.ndarray:
                                 np.float32).reshape(*layers.shape, 2))
 
 
-def run_stack(cfg: LingConfig, params: Params, x_BTD: jax.Array, ctx: Context, *,
-              collect: bool = False) -> tuple[jax.Array, list[dict[str, Any]]]:
-    """All main layers. With `collect`, also per layer (in layer order) {"hidden", "router"}."""
-    collected: list[dict[str, Any]] = []
+LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Array, Any]]
 
-    def body(mixer: Mixer, ffn: Ffn):
-        def f(x, xs):
-            p, lim = xs
-            x, _, aux = decoder_layer(p, x, lim, cfg=cfg, mixer=mixer, ffn=ffn, ctx=ctx)
-            return x, ((x, aux) if collect else None)
-        return f
 
-    for seg, sp in zip(cfg.segments, params["segments"], strict=True):
+def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
+              caches: list[Any] | None = None) -> tuple[jax.Array, list[Any]]:
+    """Runs every main layer through `layer_fn(p, x, limits, layer cache, mixer, ffn) -> (x, y)`.
+
+    `caches` (optional) are stacked like the params and fed to the layers as scan inputs; the
+    per-layer outputs `y` come back stacked the same way: one entry per segment, `run` entries
+    with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
+    """
+    ys_all: list[Any] = []
+    for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
+        cs = None if caches is None else caches[s]
         first = seg.first_layer
         if seg.kind == "run":
-            x_BTD, ys = jax.lax.scan(body(seg.mixer, seg.ffn), x_BTD,
-                                     (sp, _limits(cfg, np.arange(first, first + seg.length))))
-            if collect:
-                collected += [jax.tree.map(lambda a, i=i: a[i], {"hidden": ys[0], "router": ys[1]})
-                              for i in range(seg.length)]
+            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn):
+                p, lim, c = xs
+                return layer_fn(p, x, lim, c, mixer, ffn)
+
+            x, ys = jax.lax.scan(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs))
+            ys_all.append(ys)
             continue
         g = seg.kda_per_group + 1
         base = first + g * np.arange(seg.length)
-        lim_kda = _limits(cfg, base[:, None] + np.arange(seg.kda_per_group)[None])
-        lim_mla = _limits(cfg, base + g - 1)
+
+        def kda_body(x, xs):
+            p, lim, c = xs
+            return layer_fn(p, x, lim, c, "kda", "moe")
 
         def group(x, xs, g=g):
-            pk, pm, lk, lm = xs
+            pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
-                x, ys_k = jax.lax.scan(body("kda", "moe"), x, (pk, lk))
-            x, y_m = body("mla", "moe")(x, (pm, lm))
-            return x, (ys_k, y_m)
+                x, ys_k = jax.lax.scan(kda_body, x, (pk, lk, ck))
+            x, y_m = layer_fn(pm, x, lm, cm, "mla", "moe")
+            return x, {"kda": ys_k, "mla": y_m}
 
-        x_BTD, (ys_k, y_m) = jax.lax.scan(group, x_BTD, (sp.get("kda"), sp["mla"], lim_kda, lim_mla))
-        if collect:
-            for n in range(seg.length):
-                for j in range(g - 1):
-                    collected.append(jax.tree.map(lambda a, n=n, j=j: a[n, j],
-                                                  {"hidden": ys_k[0], "router": ys_k[1]}))
-                collected.append(jax.tree.map(lambda a, n=n: a[n], {"hidden": y_m[0], "router": y_m[1]}))
-    return x_BTD, collected
+        xs = (sp.get("kda"), sp["mla"], _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
+              _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), None if cs is None else cs["mla"])
+        x, ys = jax.lax.scan(group, x, xs)
+        ys_all.append(ys)
+    return x, ys_all
+
+
+def per_layer(cfg: LingConfig, ys: list[Any]) -> list[Any]:
+    """Unstacks `run_stack` outputs into a list in layer order (tests, debugging)."""
+    out: list[Any] = []
+    for seg, y in zip(cfg.segments, ys, strict=True):
+        if seg.kind == "run":
+            out += [jax.tree.map(lambda a, i=i: a[i], y) for i in range(seg.length)]
+            continue
+        for n in range(seg.length):
+            out += [jax.tree.map(lambda a, n=n, j=j: a[n, j], y["kda"]) for j in range(seg.kda_per_group)]
+            out.append(jax.tree.map(lambda a, n=n: a[n], y["mla"]))
+    return out
 
 
 def apply_layer(cfg: LingConfig, params: Params, i: int, x_BTD: jax.Array,
                 ctx: Context) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs main or MTP layer `i` alone on x (per-layer tests and debugging): (x, router aux)."""
-    p = layer_params(cfg, params, i)
-    x_BTD, _, aux = _layer_jit(p, x_BTD, _limits(cfg, np.array(i)), cfg=cfg, mixer=cfg.mixer_of(i),
-                               ffn=cfg.ffn_of(i), ctx=ctx)
-    return x_BTD, aux
+    return _layer_jit(cfg, layer_params(cfg, params, i), x_BTD, _limits(cfg, np.array(i)), ctx,
+                      mixer=cfg.mixer_of(i), ffn=cfg.ffn_of(i))
 
 
-_layer_jit = jax.jit(decoder_layer, static_argnames=("cfg", "mixer", "ffn"))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("mixer", "ffn"))
+def _layer_jit(cfg: LingConfig, p: Params, x: jax.Array, limits: jax.Array, ctx: Context, *, mixer: Mixer,
+               ffn: Ffn) -> tuple[jax.Array, dict[str, jax.Array]]:
+    mix = sequence_mixer(cfg, ctx)
+    x, _, aux = decoder_layer(p, x, limits, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
+    return x, aux
 
 
 def embed(params: Params, ids_BT: jax.Array) -> jax.Array:
@@ -167,14 +197,15 @@ def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BT
     stage's hidden state (the final-normed main output for j = 0).
     """
     outs, h, ids = [], h_final_BTD, input_ids
+    mix = sequence_mixer(cfg, ctx)
     for j, p in enumerate(params["mtp"]):
         i = cfg.num_hidden_layers + j
         ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
         e = rms_norm(embed(params, ids), p["enorm"], cfg.rms_norm_eps)
         z = jnp.concatenate([e, rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
         z = z @ p["eh_proj"].astype(z.dtype)
-        z, _, _ = decoder_layer(p, z, _limits(cfg, np.array(i)), cfg=cfg, mixer="mla",
-                                ffn=cfg.ffn_of(i), ctx=ctx)
+        z, _, _ = decoder_layer(p, z, _limits(cfg, np.array(i)), cfg=cfg, ffn=cfg.ffn_of(i),
+                                mix=lambda pa, x: mix(pa, x, "mla", None))
         h = rms_norm(z, p["final_norm"], cfg.rms_norm_eps)
         outs.append(h)
     return outs
@@ -187,17 +218,22 @@ def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
     """The model up to (not including) the lm_head.
 
     Returns {"final": final-normed hidden [B, T, D], "mtp": [MTP hiddens] if mtp,
-    "layers": per-layer {"hidden", "router"} if collect}.
+    "layers": per layer {"hidden": output, "router": aux} if collect}.
     """
     ctx = make_context(cfg, input_ids, attention_mask=attention_mask, positions=positions,
                        segment_ids=segment_ids)
-    x = embed(params, input_ids)
-    x, layers = run_stack(cfg, params, x, ctx, collect=collect)
+    mix = sequence_mixer(cfg, ctx)
+
+    def layer(p, x, lim, cache, mixer, ffn):
+        x, _, aux = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
+        return x, ({"hidden": x, "router": aux} if collect else None)
+
+    x, ys = run_stack(cfg, params, embed(params, input_ids), layer)
     out: dict[str, Any] = {"final": rms_norm(x, params["final_norm"], cfg.rms_norm_eps)}
     if mtp:
         out["mtp"] = mtp_hidden(cfg, params, input_ids, out["final"], ctx)
     if collect:
-        out["layers"] = layers
+        out["layers"] = per_layer(cfg, ys)
     return out
 
 

@@ -16,15 +16,18 @@ import jax.numpy as jnp
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
-from ling_jax.ops.kda.gate import kda_gate
+from ling_jax.ops.kda.decode import kda_decode_step
+from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 
 
 def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
-               seg_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               seg_BT: jax.Array | None = None, end_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv + SiLU: (silu(conv) [B, T, P] in a's dtype, new window [B, W-1, P]).
 
     `state` holds the W-1 inputs before this chunk (zeros at sequence start); tap W-1 multiplies
-    the current token. With `seg_BT`, taps that reach into an earlier segment read zero.
+    the current token. With `seg_BT`, taps that reach into an earlier segment read zero. The new
+    window holds the W-1 inputs before position `end_B` of each row (default T: the last ones),
+    so a right-padded row keeps the window of its last real token.
     """
     b, t, p = a_BTP.shape
     w = w_PW.shape[1]
@@ -39,7 +42,11 @@ def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
             prev = jnp.concatenate([jnp.full((b, shift), -1, seg_BT.dtype), seg_BT[:, :-shift]], 1)
             tap_BTP = jnp.where((prev == seg_BT)[..., None], tap_BTP, 0.0)
         out_BTP = out_BTP + tap_BTP * w_PW[:, j].astype(jnp.float32)
-    return jax.nn.silu(out_BTP).astype(a_BTP.dtype), ext_BXP[:, t:]
+    if end_B is None:
+        window = ext_BXP[:, t:]
+    else:
+        window = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, w - 1, axis=0))(ext_BXP, end_B)
+    return jax.nn.silu(out_BTP).astype(a_BTP.dtype), window
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
@@ -64,8 +71,9 @@ def kda_mixer(
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
+    end_B = None if valid_BT is None else t - jnp.argmax(valid_BT[:, ::-1], axis=1)  # after the last real token
     qkv_BT3P, conv_state = short_conv(qkv_BT3P, w_3PW, None if cache is None else cache["conv"],
-                                      segment_ids)
+                                      segment_ids, end_B)
     q_BTHK, k_BTHK, v_BTHV = (a.reshape(b, t, h, dh) for a in jnp.split(qkv_BT3P, 3, axis=-1))
     f_BTHK = _proj(x_BTD, p, "f").reshape(b, t, h, dh)
     beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
@@ -75,11 +83,17 @@ def kda_mixer(
         f_BTHK = jnp.where(valid_BT[..., None, None],
                            kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound), 0.0)
         gate_kw = {}
-    o_BTHV, state = kimi_delta_attention(
-        q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH, scale=dh**-0.5,
-        initial_state=None if cache is None else cache["state"], impl=cfg.kda_impl,
-        segment_ids=segment_ids, use_qk_l2norm=True, **gate_kw,
-    )
+    if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
+        g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
+        o_BHV, state = kda_decode_step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
+                                       g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
+        o_BTHV = o_BHV[:, None]
+    else:
+        o_BTHV, state = kimi_delta_attention(
+            q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH, scale=dh**-0.5,
+            initial_state=None if cache is None else cache["state"], impl=cfg.kda_impl,
+            segment_ids=segment_ids, use_qk_l2norm=True, **gate_kw,
+        )
     z_BTHV = _proj(x_BTD, p, "g").reshape(b, t, h, dh)
     o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
     out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)

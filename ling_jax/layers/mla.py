@@ -17,6 +17,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention
+from ling_jax.ops.mla_decode import latent_attention
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
 
@@ -68,3 +69,35 @@ def mla_mixer(
     k_BTHD = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot_BTd[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
     o_BTHV = attention(q_BTHD, k_BTHD, v_BTHV, mask_BTS, scale=cfg.qk_head_dim**-0.5)
     return mla_output(p, o_BTHV, x_BTD), {"latent": jnp.concatenate([c_BTR, k_rot_BTd], axis=-1)}
+
+
+def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj [r, H * (d_n + d_v)] split per head into W_UK [r, H, d_n] and W_UV [r, H, d_v]."""
+    w = p["kv_b_proj"].reshape(cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
+
+
+def mla_decode(
+    p: dict[str, Any], x_BD: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, *, cfg: LingConfig,
+    cos: jax.Array, sin: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row against the latent cache, absorbed form (§5.1): (out [B, D], new row [B, r + d_r]).
+
+    The query's nope part is folded through W_UK into the latent space, the attention runs over
+    cached [c ‖ k_rot] rows plus the new one at scale 1/sqrt(qk_head_dim), and W_UV up-projects
+    the weighted latent afterwards. cos/sin: [B, 1, d_r / 2] for each row's position.
+    """
+    x_B1D = x_BD[:, None]
+    dt = x_BD.dtype
+    dn = cfg.qk_nope_head_dim
+    q_BHD = mla_query(p, x_B1D, cfg)[:, 0]
+    q_nope_BHN, q_rot_BHd = q_BHD[..., :dn], apply_rope(q_BHD[:, None, :, dn:], cos, sin)[:, 0]
+    c_B1R, k_rot_B1d = mla_latent(p, x_B1D, cfg)
+    new_BW = jnp.concatenate([c_B1R, apply_rope(k_rot_B1d, cos, sin)], axis=-1)[:, 0]
+    w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
+    q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
+    q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
+    m_BHR = latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, rank=cfg.kv_lora_rank,
+                             scale=cfg.qk_head_dim**-0.5)
+    o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
+    return mla_output(p, o_BHV[:, None], x_B1D)[:, 0], new_BW

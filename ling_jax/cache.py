@@ -1,0 +1,81 @@
+"""Decode caches: plain pytrees stacked like the params (`LingConfig.segments`).
+
+Per KDA layer: the float32 recurrent state [B, H, K, V] and the short-conv window of the last
+W-1 q/k/v projection inputs [B, W-1, 3P] (activation dtype). Per MLA layer: the absorbed latent
+cache [B, S, r + d_r] — the normed latent c (r = kv_lora_rank) and the rotated shared rope key
+(d_r) of every cached token, nothing per head (ARCHITECTURE.md §5). One `lengths` [B] vector
+gives each row's number of cached tokens (= the position of its next token).
+
+    {"segments": [run: {"state", "conv"} or {"latent"} with a leading [n] axis;
+                  groups: {"kda": {"state", "conv"} [n, G-1, ...], "mla": {"latent"} [n, ...]}],
+     "lengths": [B] int32}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import LingConfig, Mixer
+
+Cache = dict[str, Any]
+LATENT_BLOCK = 256  # the latent cache length is allocated in multiples of this (decode attention block)
+
+
+def cache_length(max_len: int) -> int:
+    """Slots allocated for `max_len` tokens: rounded up to whole decode-attention blocks."""
+    return -(-max_len // LATENT_BLOCK) * LATENT_BLOCK
+
+
+def _mixer_cache(cfg: LingConfig, mixer: Mixer, lead: tuple[int, ...], batch: int, slots: int,
+                 dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    if mixer == "kda":
+        h, dh = cfg.num_attention_heads, cfg.head_dim
+        return {"state": jax.ShapeDtypeStruct((*lead, batch, h, dh, dh), jnp.float32),
+                "conv": jax.ShapeDtypeStruct((*lead, batch, cfg.short_conv_kernel_size - 1, 3 * cfg.kda_dim), dtype)}
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return {"latent": jax.ShapeDtypeStruct((*lead, batch, slots, width), dtype)}
+
+
+def cache_shapes(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> Cache:
+    """The cache pytree as ShapeDtypeStructs, for `batch` rows of up to `max_len` tokens."""
+    slots = cache_length(max_len)
+    dtype = jnp.dtype(dtype)
+    segs: list[Any] = []
+    for seg in cfg.segments:
+        if seg.kind == "run":
+            segs.append(_mixer_cache(cfg, seg.mixer, (seg.length,), batch, slots, dtype))
+        else:
+            segs.append({"kda": _mixer_cache(cfg, "kda", (seg.length, seg.kda_per_group), batch, slots, dtype),
+                         "mla": _mixer_cache(cfg, "mla", (seg.length,), batch, slots, dtype)})
+    return {"segments": segs, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+
+
+def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> Cache:
+    """An empty cache (zeros, lengths 0)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, max_len, dtype))
+
+
+def cache_bytes(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> dict[str, int]:
+    """Bytes of the decode cache: MLA latent (grows with length), KDA state + conv (constant), total.
+
+    Counts exactly `max_len` tokens (not the block-rounded allocation), per ARCHITECTURE.md §5.2:
+    MLA = n_mla * (r + d_r) * itemsize per token per row.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds)
+    n_kda = cfg.num_hidden_layers - n_mla
+    h, dh = cfg.num_attention_heads, cfg.head_dim
+    mla = batch * max_len * n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
+    state = batch * n_kda * h * dh * dh * 4
+    conv = batch * n_kda * (cfg.short_conv_kernel_size - 1) * 3 * cfg.kda_dim * itemsize
+    return {"mla_latent": mla, "kda_state": state, "kda_conv": conv, "total": mla + state + conv,
+            "per_token_mla": n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize}
+
+
+def nbytes(tree: Any) -> int:
+    """Total bytes of the arrays (or ShapeDtypeStructs) of a pytree."""
+    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))

@@ -1,0 +1,176 @@
+"""Batch generation: one jitted prefill that fills every cache, one jitted `lax.while_loop` decode.
+
+Prompts of different lengths are right-padded into one batch; each row keeps its own length, so
+cache slot = position, padding never reaches a KDA state, conv window or attended latent, and a
+prompt's tokens do not depend on its neighbours. The decode loop runs entirely on device (no
+Python per token) on a donated cache: per step one token per row through every layer (KDA: one
+recurrent step; MLA: absorbed attention over the latent cache), sampling, stop handling.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import Cache, cache_length
+from ling_jax.config import LingConfig
+from ling_jax.layers.kda import kda_mixer
+from ling_jax.layers.mla import mla_decode
+from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.model import decoder_layer, embed, lm_head, make_context, run_stack, sequence_mixer
+from ling_jax.params import Params
+
+
+def _last(h_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.Array,
+            max_len: int) -> tuple[Cache, jax.Array]:
+    """Runs right-padded prompts, returns (cache for `max_len` tokens, logits of each row's last token).
+
+    ids: [B, T]; row b's prompt is ids[b, :lengths[b]]. KDA layers keep their final state and the
+    conv window of the last real token; MLA layers write their latent rows into slots [0, T).
+    """
+    b, t = ids_BT.shape
+    slots = cache_length(max_len)
+    valid = jnp.arange(t)[None, :] < lengths_B[:, None]
+    ctx = make_context(cfg, ids_BT, attention_mask=valid)
+    mix = sequence_mixer(cfg, ctx)
+
+    def layer(p, x, lim, _, mixer, ffn):
+        x, c, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
+        if mixer == "mla":
+            c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :t].set(c["latent"])}
+        return x, c
+
+    x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
+    h = rms_norm(_last(x, lengths_B), params["final_norm"], cfg.rms_norm_eps)
+    return {"segments": caches, "lengths": lengths_B.astype(jnp.int32)}, lm_head(cfg, params, h)
+
+
+def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Array) -> tuple[Cache, jax.Array]:
+    """One token per row at position cache["lengths"]: (updated cache, logits [B, V] float32)."""
+    lengths = cache["lengths"]
+    cos, sin = rope_cos_sin(lengths[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
+
+    def mix(p, h_B1D, mixer, c):
+        if mixer == "kda":
+            return kda_mixer(p, h_B1D, cfg=cfg, cache=c)
+        out_BD, row_BW = mla_decode(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, cos=cos, sin=sin)
+        return out_BD[:, None], row_BW
+
+    def layer(p, x, lim, c, mixer, ffn):
+        x, new, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))
+        return x, new
+
+    x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"])
+    rows = jnp.arange(tokens_B.shape[0])
+
+    def merge(seg_cache: dict, seg_new: Any) -> dict:
+        if "latent" in seg_cache:  # scatter the new latent row of every layer into slot `lengths`
+            return {"latent": seg_cache["latent"].at[:, rows, lengths].set(seg_new)}
+        return seg_new
+
+    segs = []
+    for seg, c, y in zip(cfg.segments, cache["segments"], new, strict=True):
+        segs.append(merge(c, y) if seg.kind == "run" else {k: merge(c[k], y[k]) for k in c})
+    h = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
+    return {"segments": segs, "lengths": lengths + 1}, lm_head(cfg, params, h)
+
+
+def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+           top_p: jax.Array) -> jax.Array:
+    """Next token per row: greedy when temperature == 0, else top-k / top-p filtered sampling."""
+    greedy = jnp.argmax(logits_BV, axis=-1)
+
+    def sampled() -> jax.Array:
+        logits = logits_BV / jnp.maximum(temperature, 1e-6)
+        srt = jnp.sort(logits, axis=-1)[:, ::-1]
+        kth = jnp.where(top_k > 0, jnp.take(srt, jnp.clip(top_k - 1, 0, srt.shape[-1] - 1), axis=-1), -jnp.inf)
+        probs = jax.nn.softmax(jnp.where(srt >= kth[:, None], srt, -jnp.inf), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+        keep = (before < top_p) & (srt >= kth[:, None])
+        cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
+        masked = jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
+        keys = jax.random.split(key, logits.shape[0])
+        return jax.vmap(jax.random.categorical)(keys, masked)
+
+    return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
+def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
+                key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                stop_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Generates up to `max_new` tokens per row: (tokens [B, max_new], count per row [B]).
+
+    A row stops after emitting a token of `stop_S`; the loop ends when every row has stopped.
+    """
+    b = logits_BV.shape[0]
+
+    def cond(state):
+        step, _, _, _, done = state
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, logits, out, done = state
+        tok = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
+        out = out.at[:, step].set(jnp.where(done, -1, tok))
+        done = done | jnp.isin(tok, stop_S)
+        cache, logits = decode_step(cfg, params, cache, tok)
+        return step + 1, cache, logits, out, done
+
+    init = (jnp.int32(0), cache, logits_BV, jnp.full((b, max_new), -1, jnp.int32), jnp.zeros((b,), bool))
+    _, _, _, out, _ = jax.lax.while_loop(cond, body, init)
+    return out, jnp.sum(out >= 0, axis=1)
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Prompt lengths are padded to powers of two (>= 16) so few shapes compile."""
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_tokens: Sequence[int] | None = None) -> list[list[int]]:
+    """New tokens for each prompt (a list of token ids), stopping after a stop token (included).
+
+    `stop_tokens=None` uses the config's `eos_token_id`; `()` never stops early. Greedy when
+    `temperature == 0`. One jitted prefill and one jitted decode loop.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"bad sampling values: temperature={temperature} top_k={top_k} top_p={top_p}")
+    lengths = [len(p) for p in prompts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
+        if len(p) + max_new_tokens > config.max_position_embeddings:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"max_position_embeddings={config.max_position_embeddings}")
+    t = _bucket(max(lengths))
+    ids = np.zeros((len(prompts), t), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = np.asarray(p, np.int32)
+    stop = tuple(config.eos_token_id) if stop_tokens is None else tuple(stop_tokens)
+    stop_S = jnp.asarray(stop if stop else (-2,), jnp.int32)  # -2 never sampled
+    max_len = max(lengths) + max_new_tokens
+    cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), max_len)
+    out, counts = decode_loop(config, params, cache, logits, max_new_tokens, jax.random.key(seed),
+                              jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S)
+    out, counts = np.asarray(out), np.asarray(counts)
+    return [out[i, : counts[i]].tolist() for i in range(len(prompts))]

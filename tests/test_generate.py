@@ -1,0 +1,128 @@
+"""Inference: latent/state caches, absorbed MLA, the jitted decode loop and `generate`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_l2
+
+import ling_jax
+from ling_jax.cache import cache_bytes, cache_shapes, nbytes
+from ling_jax.config import LingConfig
+from ling_jax.generate import decode_step, generate, prefill
+from ling_jax.layers.mla import mla_decode, mla_mixer
+from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.ops.attention import attention_mask
+from ling_jax.params import init_params, layer_params
+
+_step = jax.jit(decode_step, static_argnums=0)
+
+
+def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len):
+    """Logits of prefill then one decode step per forced token: [B, N + 1, V]."""
+    cache, logits = prefill(cfg, params, prompt_BT, lengths, max_len)
+    out = [logits]
+    for s in range(forced_BN.shape[1]):
+        cache, logits = _step(cfg, params, cache, forced_BN[:, s])
+        out.append(logits)
+    return jnp.stack(out, axis=1)
+
+
+def test_golden_greedy_decode(golden_a):
+    cfg, params, g = golden_a
+    prompts = g["decode_prompt_ids"].tolist()
+    assert generate(cfg, params, prompts, max_new_tokens=16, stop_tokens=()) == g["decode_generated_ids"].tolist()
+    ids = jnp.asarray(g["decode_prompt_ids"])
+    logits = _teacher_forced(cfg, params, ids, jnp.full((2,), 12, jnp.int32),
+                             jnp.asarray(g["decode_generated_ids"][:, :15]), 12 + 16)
+    for s in range(16):
+        assert rel_l2(logits[:, s], g["decode_step_logits"][:, s]) < 1e-5, f"step {s}"
+
+
+@pytest.fixture(scope="module")
+def debug_model():
+    cfg = LingConfig.preset("debug")
+    return cfg, init_params(cfg, seed=3)
+
+
+def test_decode_equals_forward(debug_model):
+    """Prefill of right-padded prompts + decode steps == one forward over each whole sequence."""
+    cfg, params = debug_model
+    rng = np.random.default_rng(0)
+    lengths = np.array([9, 4])
+    full = rng.integers(0, cfg.vocab_size, (2, 9 + 6))
+    prompt = full[:, :9].copy()
+    prompt[1, 4:] = 0  # padding after the short prompt
+    forced = np.stack([full[0, 9:15], full[1, 4:10]])
+    got = _teacher_forced(cfg, params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.asarray(forced), 16)
+    for r, n in enumerate(lengths):
+        seq = np.concatenate([full[r, :n], forced[r]])[None]
+        want = ling_jax.forward(cfg, params, jnp.asarray(seq))[0, n - 1 :]
+        assert rel_l2(got[r], want) < 1e-5, f"row {r}"
+
+
+def test_absorbed_equals_expanded_attention(debug_model):
+    """The latent-cache (absorbed) attention of the last token == the expanded K/V attention."""
+    cfg, params = debug_model
+    p = layer_params(cfg, params, 2)["attn"]  # an MLA layer
+    t = 300  # more than one 256-slot cache block
+    x = jax.random.normal(jax.random.key(1), (2, t, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    want, cache = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=attention_mask(pos, pos))
+    latent = jnp.zeros((2, 512, cache["latent"].shape[-1])).at[:, : t - 1].set(cache["latent"][:, :-1])
+    got, row = mla_decode(p, x[:, -1], latent, jnp.full((2,), t - 1), cfg=cfg, cos=cos[:, -1:], sin=sin[:, -1:])
+    assert rel_l2(got, want[:, -1]) < 1e-5
+    np.testing.assert_allclose(row, cache["latent"][:, -1], rtol=1e-6, atol=1e-6)
+
+
+def test_batch_invariance_and_sampling(debug_model):
+    cfg, params = debug_model
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (7, 3, 12, 1, 5)]
+    batch = generate(cfg, params, prompts, max_new_tokens=6, stop_tokens=())
+    assert [len(o) for o in batch] == [6] * 5
+    for p, o in zip(prompts, batch, strict=True):
+        assert generate(cfg, params, [p], max_new_tokens=6, stop_tokens=()) == [o]
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, stop_tokens=())
+    a = generate(cfg, params, prompts, seed=5, **kw)
+    assert a == generate(cfg, params, prompts, seed=5, **kw)
+    assert a != generate(cfg, params, prompts, seed=6, **kw)
+
+
+def test_stop_tokens(debug_model):
+    cfg, params = debug_model
+    prompt = [[5, 6, 7]]
+    free = generate(cfg, params, prompt, max_new_tokens=8, stop_tokens=())[0]
+    stop = free[3]
+    out = generate(cfg, params, prompt, max_new_tokens=8, stop_tokens=[stop])[0]
+    assert out == free[: free.index(stop) + 1]
+
+
+def test_bad_input(debug_model):
+    cfg, params = debug_model
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(cfg, params, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="token id 512 outside"):
+        generate(cfg, params, [[1, 512]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings=2048"):
+        generate(cfg, params, [[1] * 2000], max_new_tokens=100)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(cfg, params, [], max_new_tokens=2)
+
+
+def test_cache_size_ling31_flash():
+    """9 MLA layers x 576 latent values x 2 bytes per token, plus the constant KDA state."""
+    cfg = LingConfig.preset("ling-3.1-flash")
+    per_token = 9 * 576 * 2
+    report = cache_bytes(cfg, batch=1, max_len=4096)
+    assert report["per_token_mla"] == per_token == 10368
+    assert report["mla_latent"] == 4096 * per_token
+    assert report["kda_state"] == 63 * 64 * 128 * 128 * 4  # 252 MiB
+    shapes = cache_shapes(cfg, 1, 4096)  # no allocation: ShapeDtypeStructs
+    assert nbytes(shapes) == report["total"] + 4  # + the lengths vector
+    assert nbytes(cache_shapes(cfg, 1, 8192)) - nbytes(shapes) == 4096 * per_token
+    expanded = 9 * 64 * (192 + 128) * 2  # the reference's per-head K and V
+    assert expanded / per_token == pytest.approx(35.56, abs=0.01)
