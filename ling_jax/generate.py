@@ -109,10 +109,11 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
 def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
                 key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_S: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Generates up to `max_new` tokens per row: (tokens [B, max_new], count per row [B]).
+                stop_S: jax.Array) -> tuple[jax.Array, jax.Array, Cache]:
+    """Generates up to `max_new` tokens per row: (tokens [B, max_new], count per row [B], final cache).
 
     A row stops after emitting a token of `stop_S`; the loop ends when every row has stopped.
+    The cache is donated and returned, so the loop updates it in place (no second copy).
     """
     b = logits_BV.shape[0]
 
@@ -129,8 +130,8 @@ def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Ar
         return step + 1, cache, logits, out, done
 
     init = (jnp.int32(0), cache, logits_BV, jnp.full((b, max_new), -1, jnp.int32), jnp.zeros((b,), bool))
-    _, _, _, out, _ = jax.lax.while_loop(cond, body, init)
-    return out, jnp.sum(out >= 0, axis=1)
+    _, cache, _, out, _ = jax.lax.while_loop(cond, body, init)
+    return out, jnp.sum(out >= 0, axis=1), cache
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -170,7 +171,7 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     stop_S = jnp.asarray(stop if stop else (-2,), jnp.int32)  # -2 never sampled
     max_len = max(lengths) + max_new_tokens
     cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), max_len)
-    out, counts = decode_loop(config, params, cache, logits, max_new_tokens, jax.random.key(seed),
+    out, counts, _ = decode_loop(config, params, cache, logits, max_new_tokens, jax.random.key(seed),
                               jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S)
     out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, : counts[i]].tolist() for i in range(len(prompts))]

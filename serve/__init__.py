@@ -1,0 +1,1 @@
+"""Serving entry points: `ling-generate` (batch generation from the command line)."""

@@ -1,0 +1,52 @@
+"""`ling-generate`: text prompts through a tokenizer.json, token-id prompts, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import ling_jax
+from ling_jax.checkpoint.export import save_hf_checkpoint
+from ling_jax.config import LingConfig
+from ling_jax.params import init_params
+from serve.generate import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = LingConfig.preset("debug")
+    path = tmp_path_factory.mktemp("gen") / "hf"
+    save_hf_checkpoint(cfg, init_params(cfg, seed=4), path, dtype="float32")
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path.parent / "tokenizer.json"))
+    return path
+
+
+def test_text_and_id_prompts(checkpoint, capsys):
+    rc = main(["--checkpoint", str(checkpoint), "--tokenizer", str(checkpoint.parent / "tokenizer.json"),
+               "--prompt", "w5 w6 w7", "--prompt-ids", "9,10", "--max-new-tokens", "5", "--stop-tokens", "",
+               "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cfg, params = ling_jax.load_hf_checkpoint(checkpoint)
+    want = ling_jax.generate(cfg, params, [[5, 6, 7], [9, 10]], max_new_tokens=5, stop_tokens=())
+    assert f"[0] prompt 3 tokens -> 5 new: {want[0]}" in out
+    assert f"[1] prompt 2 tokens -> 5 new: {want[1]}" in out
+    assert "tokens/s" in out
+    assert "'w" in out  # decoded text
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--checkpoint", "/nonexistent", "--prompt-ids", "1"], "no such directory"),
+    (["--prompt", "hello"], "need --tokenizer"),
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    (["--prompt-ids", "1,999"], "outside"),
+    ([], "at least one"),
+])
+def test_bad_input_exits_with_one_line(checkpoint, capsys, args, msg):
+    if "--checkpoint" not in args:
+        args = ["--checkpoint", str(checkpoint), *args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
