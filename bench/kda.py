@@ -116,10 +116,10 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
         do = torch.from_numpy(d["do"]).cuda().bfloat16()
         o, ht = call(*ins)
         grads = torch.autograd.grad(o, ins, do, allow_unused=True)
-        out = {"o": o.float().cpu().numpy(), "ht": ht.float().cpu().numpy()}
+        out = {"o": o.detach().float().cpu().numpy(), "ht": ht.detach().float().cpu().numpy()}
         for name, gr in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias"), grads, strict=True):
             if gr is not None:
-                out["d" + name] = gr.float().cpu().numpy()
+                out["d" + name] = gr.detach().float().cpu().numpy()
         np.savez(TMP / f"fla_out_H{h}.npz", **out)
         del ins, grads, o, ht, xs
         torch.cuda.empty_cache()
@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-chunked", action="store_true")
+    ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--check-seq", type=int, default=1000, help="length of the GPU correctness checks")
     ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth probe")
     ap.add_argument("--mm", type=int, default=8192, help="size of the matmul probe")
@@ -216,6 +218,8 @@ def main() -> None:
     # ---- 2. correctness on the GPU -----------------------------------------------------------
     checks = {}
     try:
+        if args.no_checks:
+            raise RuntimeError("skipped (--no-checks)")
         with jax.default_matmul_precision("highest"):
             tc = args.check_seq
             x = inputs(jax.random.PRNGKey(1), 2, tc, 4, args.dk, jnp.float32)
@@ -305,7 +309,7 @@ def main() -> None:
                 results[f"H{h}_{vname}"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
                 print("FAILED", h, vname, str(e)[:3000], flush=True)
                 fns.pop((h, vname))
-        if have_chunked:
+        if have_chunked and not args.no_chunked:
             def cfwd(*a):
                 return ours(*a, impl="chunked")
 
