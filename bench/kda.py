@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -131,6 +132,83 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _k_fwd_intra(kp, cfg, *a):
+    return kp._fwd_intra(cfg, *a, ())
+
+
+def _k_fwd_state(kp, cfg, h0t, store, *a):
+    return kp._fwd_state(cfg, *a, h0t, a[1].dtype, store, store)
+
+
+def _k_bwd_state(kp, cfg, *a):
+    return kp._bwd_state(cfg, *a, None)
+
+
+def _k_bwd_intra(kp, cfg, *a):
+    return kp._bwd_intra(cfg, *a[:7], (), *a[7:])
+
+
+def _k_bwd_main(kp, cfg, *a):
+    return kp._bwd_main(cfg, *a[:6], (), *a[6:])
+
+
+def per_kernel(args) -> None:
+    """Times each of the five launches alone (bf16, default parameters): where the time goes."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ling_jax.ops.kda import pallas as kp
+
+    out: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "device": jax.devices()[0].device_kind,
+                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    kd, t = args.dk, args.seq
+    interp = jax.default_backend() == "cpu"
+    for h in args.heads:
+        cfg = kp.Cfg(backend="triton", interpret=interp, chunk=64, t_valid=t, n_chunks=t // 64, dk=kd, dv=kd,
+                     scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
+                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64))
+        ks = jax.random.split(jax.random.PRNGKey(h), 8)
+        bf = jnp.bfloat16
+        q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[5], (1, t, h, 1))).astype(bf)
+        al = 0.5 * jax.random.normal(ks[6], (h, 1, 1))
+        dtb = jax.random.normal(ks[7], (h, 1, kd))
+        h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
+        f_intra = jax.jit(functools.partial(_k_fwd_intra, kp, cfg))
+        w, u, qg, kg, aqk, gam = f_intra(q, k, v, g, beta, al, dtb)
+        f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
+        f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
+        o, ht, hs, vn = f_state_st(w, u, qg, kg, aqk, gam)
+        f_bstate = jax.jit(functools.partial(_k_bwd_state, kp, cfg))
+        dh, dvn, dh0 = f_bstate(qg, w, kg, aqk, gam, do, ht)
+        f_bintra = jax.jit(functools.partial(_k_bwd_intra, kp, cfg))
+        x, y, mmat, dbp, dv = f_bintra(q, k, v, g, beta, al, dtb, do, vn, dvn)
+        f_bmain = jax.jit(functools.partial(_k_bwd_main, kp, cfg))
+        f_bmain(q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
+        res = {}
+        for name, fn, a in (
+            ("fwd_intra", f_intra, (q, k, v, g, beta, al, dtb)),
+            ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
+            ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
+            ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
+            ("bwd_intra", f_bintra, (q, k, v, g, beta, al, dtb, do, vn, dvn)),
+            ("bwd_main", f_bmain, (q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)),
+        ):
+            for _ in range(2):
+                jax.block_until_ready(fn(*a))
+            ts = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*a))
+                ts.append(time.perf_counter() - t0)
+            res[name + "_ms"] = float(np.median(ts) * 1e3)
+            print(f"H={h} {name}: {res[name + '_ms']:.3f} ms", flush=True)
+        out[f"H{h}"] = res
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "kda_per_kernel.json").write_text(json.dumps(out, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -145,10 +223,14 @@ def main() -> None:
     ap.add_argument("--mm", type=int, default=8192, help="size of the matmul probe")
     ap.add_argument("--variants", action="store_true", help="also time kernel-parameter variants")
     ap.add_argument("--fla-worker", action="store_true")
+    ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
     if args.fla_worker:
         fla_worker(args.heads, args.seq, args.dk)
+        return
+    if args.per_kernel:
+        per_kernel(args)
         return
     for f in ("fla_tuned", "fla_go", "fla_result.json"):
         (TMP / f).unlink(missing_ok=True)
