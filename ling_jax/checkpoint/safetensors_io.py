@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -89,6 +90,31 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def offset(self, name: str) -> int:
+        """Byte offset of tensor `name` in the file."""
+        return self.data_start + self.header[name]["data_offsets"][0]
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` read into a fresh array (no mapping kept, so it is freed with the array).
+
+        Streaming converters use this rather than `get`: pages of a memory map stay in the
+        process's resident set while the map lives, so reading a whole shard through one map
+        would grow RSS to the size of the shard.
+        """
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        buf = np.empty(end - begin, np.uint8)
+        view = memoryview(buf)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin)
+            done = 0
+            while done < len(buf):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{self.path}: truncated while reading tensor {name}")
+                done += n
+        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
     def get(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of tensor `name` (no copy until used)."""
         if self._map is None:
@@ -142,6 +168,14 @@ class SafetensorsDir:
     def get(self, name: str) -> np.ndarray:
         return self.file_of(name).get(name)
 
+    def read(self, name: str) -> np.ndarray:
+        """A fresh copy of tensor `name` (see `SafetensorsFile.read`)."""
+        return self.file_of(name).read(name)
+
+    def offset(self, name: str) -> tuple[str, int]:
+        """(file name, byte offset) of tensor `name`: sorting by it reads the checkpoint sequentially."""
+        return self.where[name], self.file_of(name).offset(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.file_of(name).shape(name)
 
@@ -157,28 +191,51 @@ def write_safetensors(
     path: str | Path, tensors: Iterable[tuple[str, np.ndarray]] | Mapping[str, np.ndarray],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes tensors (any DTYPES dtype, FP8 included) to `path`, streaming one tensor at a time.
-
-    `tensors` may be a generator, but its arrays are materialised twice (once for the header's
-    sizes, once to write) only if it is a mapping; pass a list of (name, array) pairs otherwise.
-    """
+    """Writes tensors (any DTYPES dtype, FP8 included) held in memory to `path`."""
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+    write_safetensors_stream(path, [(n, a.dtype, a.shape) for n, a in items], (a for _, a in items), metadata)
+
+
+def write_safetensors_stream(
+    path: str | Path, entries: Sequence[tuple[str, Any, Sequence[int]]], arrays: Iterable[np.ndarray],
+    metadata: Mapping[str, str] | None = None, on_tensor: Callable[[int], None] | None = None,
+) -> None:
+    """Writes a safetensors file whose tensors are produced one at a time.
+
+    `entries` lists (name, dtype, shape) of every tensor, so the header is written first; `arrays`
+    then yields the tensors in that order, each written and dropped before the next is asked for
+    (memory: one tensor). Written to `path.tmp`, fsynced, then renamed onto `path`.
+    """
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    for name, arr in items:
-        if arr.dtype not in NAMES:
-            raise CheckpointError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+    specs = []
+    for name, dtype, shape in entries:
+        dt = np.dtype(dtype)
+        if dt not in NAMES:
+            raise CheckpointError(f"{name}: dtype {dt} cannot be written to safetensors")
+        nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        specs.append((name, dt, tuple(shape)))
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = Path(f"{path}.tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for _, arr in items:
-            f.write(np.ascontiguousarray(arr).tobytes())
+        it = iter(arrays)
+        for name, dt, shape in specs:
+            arr = next(it, None)
+            if arr is None:
+                raise CheckpointError(f"{path}: no data for tensor {name}")
+            if arr.dtype != dt or tuple(arr.shape) != shape:
+                raise CheckpointError(f"{path}: tensor {name} is {arr.dtype}{list(arr.shape)}, "
+                                      f"the header says {dt}{list(shape)}")
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+            if on_tensor is not None:
+                on_tensor(arr.nbytes)
+        if next(it, None) is not None:
+            raise CheckpointError(f"{path}: more tensors than header entries")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

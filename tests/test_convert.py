@@ -1,0 +1,332 @@
+"""ling-convert / load_checkpoint / ling-export: golden logits, bit-exact round trips, crash and resume,
+bad input through the command line, and bounded memory (heavy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import GOLDEN, rel_l2
+
+import ling_jax
+from ling_jax.checkpoint.convert import main as convert_main
+from ling_jax.checkpoint.export import main as export_main
+from ling_jax.checkpoint.fp8 import FP8, BlockFP8
+from ling_jax.checkpoint.orbax_io import (
+    CONVERT_STATE,
+    IncompleteCheckpointError,
+    load_checkpoint,
+    partial_dir,
+    save_checkpoint,
+)
+from ling_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir, SafetensorsFile, write_safetensors
+from ling_jax.checkpoint.synthetic import LING_FP8_EXCLUSIONS, scaled_config, write_random_hf_checkpoint
+from ling_jax.config import LingConfig, QuantConfig
+
+FP8_SRC, BF16_SRC = GOLDEN / "ling3_tiny_a_fp8", GOLDEN / "ling3_tiny_a"
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _convert(src: Path, out: Path, *extra: str) -> Path:
+    assert convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet", *extra]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def ck_float8(tmp_path_factory) -> Path:
+    return _convert(FP8_SRC, tmp_path_factory.mktemp("c") / "fp8", "--dtype", "float8")
+
+
+@pytest.fixture(scope="module")
+def ck_fp8_as_bf16(tmp_path_factory) -> Path:
+    return _convert(FP8_SRC, tmp_path_factory.mktemp("c") / "bf16")
+
+
+def _assert_same_tensors(mine: Path, ref: Path) -> None:
+    """Same names, dtypes, shapes and bytes for every tensor."""
+    a, b = SafetensorsDir(mine), SafetensorsDir(ref)
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in b:
+        x, y = a.get(k), b.get(k)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), k
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), k
+
+
+def _export(ck: Path, out: Path, *extra: str) -> Path:
+    assert export_main(["--checkpoint", str(ck), "--out", str(out), "--quiet", *extra]) == 0
+    return out
+
+
+# ---------------------------------------------------------------- golden logits
+def test_float8_checkpoint_matches_golden_logits(ck_float8):
+    g = np.load(FP8_SRC / "golden.npz")
+    cfg, params = load_checkpoint(ck_float8, dtype="float32")
+    assert params["segments"][0]["attn"]["q_proj"].dtype == jnp.float32
+    logits = ling_jax.forward(cfg, params, jnp.asarray(g["prefill_input_ids"]))
+    assert rel_l2(logits, g["prefill_logits"]) <= 1e-5
+    # stored FP8: dtype=None gives the source's codes and scales, transposed into our layout
+    _, q = load_checkpoint(ck_float8)
+    w = q["segments"][2]["attn"]["kv_a_proj"]  # layer 3 (MLA): [128, 80] with a partial edge block
+    assert isinstance(w, BlockFP8) and w.value.dtype == FP8 and w.block == (32, 32)
+    src = SafetensorsDir(FP8_SRC)
+    name = "model.layers.3.attention.kv_a_proj_with_mqa.weight"
+    np.testing.assert_array_equal(np.asarray(w.value[0]).view(np.uint8), src.get(name).T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(w.scale[0]), src.get(name + "_scale_inv").T)
+    assert not isinstance(q["segments"][1]["mlp"]["router"], BlockFP8)  # excluded in the source: bf16
+    assert q["segments"][1]["mlp"]["router"].dtype == jnp.bfloat16
+
+
+def test_bfloat16_conversion_of_fp8_matches_bf16_golden(ck_fp8_as_bf16):
+    g = np.load(FP8_SRC / "golden_bf16w.npz")
+    cfg, params = load_checkpoint(ck_fp8_as_bf16)
+    kda = params["segments"][0]["attn"]
+    assert kda["q_proj"].dtype == jnp.bfloat16
+    assert kda["A_log"].dtype == kda["dt_bias"].dtype == jnp.float32
+    assert params["segments"][1]["mlp"]["expert_bias"].dtype == jnp.float32
+    logits = ling_jax.forward(cfg, jax.tree.map(lambda a: a.astype(jnp.float32), params),
+                              jnp.asarray(g["prefill_input_ids"]))
+    assert rel_l2(logits, g["prefill_logits"]) <= 1e-4
+
+
+# ---------------------------------------------------------------- round trips
+def test_bf16_roundtrip_bit_exact(tmp_path):
+    ck = _convert(BF16_SRC, tmp_path / "ck")
+    assert json.loads((ck / "ling_checkpoint.json").read_text())["stored"] == "bfloat16"
+    out = _export(ck, tmp_path / "hf")
+    _assert_same_tensors(out, BF16_SRC)
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) == 938
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    cfg, params = ling_jax.load_hf_checkpoint(out, dtype="bfloat16")
+    assert cfg == LingConfig.from_hf(BF16_SRC)
+
+
+def test_fp8_roundtrip_bit_exact(tmp_path, ck_float8):
+    out = _export(ck_float8, tmp_path / "hf", "--max-shard-size", "1MB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    _assert_same_tensors(out, FP8_SRC)
+    cfg = LingConfig.from_hf(out)
+    assert cfg.quantization == LingConfig.from_hf(FP8_SRC).quantization
+    ling_jax.load_hf_checkpoint(out)
+
+
+def test_export_of_dequantized_checkpoint(tmp_path, ck_fp8_as_bf16):
+    """A bf16 checkpoint of an FP8 source re-quantizes with the source's exclusions (auto), or stays bf16."""
+    fp8_out, bf16_out = _export(ck_fp8_as_bf16, tmp_path / "a"), _export(ck_fp8_as_bf16, tmp_path / "b",
+                                                                         "--dtype", "bfloat16")
+    mine, src = SafetensorsDir(fp8_out), SafetensorsDir(FP8_SRC)
+    assert {k: (mine.dtype_name(k), mine.shape(k)) for k in mine} == {k: (src.dtype_name(k), src.shape(k)) for k in src}
+    plain = SafetensorsDir(bf16_out)
+    assert not any(k.endswith("_scale_inv") for k in plain)
+    assert plain.dtype_name("model.layers.0.attention.q_proj.weight") == "BF16"
+    assert plain.dtype_name("model.layers.0.attention.A_log") == "F32"
+
+
+def test_save_checkpoint_orbax_native(tmp_path, ck_float8):
+    """Params in memory (BlockFP8 leaves) -> Orbax's own OCDBT layout -> load and export: bit-exact."""
+    cfg, q = load_checkpoint(ck_float8)
+    ck = save_checkpoint(tmp_path / "ck", cfg, q)
+    assert (ck / "params" / "manifest.ocdbt").is_file()
+    _, again = load_checkpoint(ck)
+    flat = jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a).view(np.uint8),
+                                                                     np.asarray(b).view(np.uint8)), q, again))
+    assert flat and all(flat)
+    _assert_same_tensors(_export(ck, tmp_path / "hf"), FP8_SRC)
+
+
+# ---------------------------------------------------------------- interruption
+def _big_fp8_source(path: Path, num_layers: int) -> Path:
+    cfg = scaled_config(num_layers, hidden=512, vocab=4096, experts=16, expert_width=512)
+    quant = QuantConfig(block_size=(128, 128), exclusions=LING_FP8_EXCLUSIONS)
+    return write_random_hf_checkpoint(cfg, path, quantization=quant, max_shard_bytes=32 << 20)
+
+
+def test_sigkill_then_resume(tmp_path):
+    src = _big_fp8_source(tmp_path / "src", 8)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ling_jax.checkpoint.convert", "--hf-dir", str(src), "--out", str(out)]
+    n_tensors = len(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = partial_dir(out) / CONVERT_STATE / "progress.log"
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and log.read_text().count("\n") >= 100):
+        assert proc.poll() is None, "conversion ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n_done = log.read_text().count("\n")
+    assert 100 <= n_done < n_tensors / 2  # killed mid-way (the scale tensors are not logged separately)
+    assert not out.exists()
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
+        load_checkpoint(out)
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
+        load_checkpoint(partial_dir(out))
+    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{n_done} of " in rerun.stderr and "already converted" in rerun.stderr
+    assert not partial_dir(out).exists() and not (out / CONVERT_STATE).exists()
+    cfg, params = load_checkpoint(out)
+    _, ref = ling_jax.load_hf_checkpoint(src, dtype="bfloat16")
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint8),
+                                                                          np.asarray(b).view(np.uint8)), params, ref)
+    assert all(jax.tree.leaves(same))
+
+
+def test_incomplete_or_missing_checkpoint(tmp_path, ck_float8):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+    broken = tmp_path / "broken"
+    shutil.copytree(ck_float8, broken)
+    (broken / "ling_checkpoint.json").unlink()
+    (broken / "_CHECKPOINT_METADATA").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
+        load_checkpoint(broken)
+    shutil.rmtree(broken)
+    shutil.copytree(ck_float8, broken)
+    (broken / "params" / "_METADATA").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
+        load_checkpoint(broken)
+
+
+# ---------------------------------------------------------------- bad input through the CLI
+def _rewrite(src_dir: Path, dst_dir: Path, edit) -> Path:
+    shutil.copytree(src_dir, dst_dir)
+    (dst_dir / "model.safetensors").unlink()
+    f = SafetensorsFile(src_dir / "model.safetensors")
+    write_safetensors(dst_dir / "model.safetensors", edit({k: np.array(f.get(k)) for k in f}))
+    return dst_dir
+
+
+def _truncated(tmp: Path) -> Path:
+    d = shutil.copytree(FP8_SRC, tmp / "src")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate((d / "model.safetensors").stat().st_size - 1000)
+    return d
+
+
+def _index_missing_file(tmp: Path) -> Path:
+    d = tmp / "src"
+    write_random_hf_checkpoint(LingConfig.preset("debug"), d, max_shard_bytes=100_000)
+    victim = sorted(set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    (d / victim).unlink()
+    return d
+
+
+def _bad_scale(tmp: Path) -> Path:
+    name = "model.layers.0.attention.q_proj.weight_scale_inv"
+    return _rewrite(FP8_SRC, tmp / "src", lambda t: {**t, name: t[name][:, :2]})
+
+
+def _bad_architecture(tmp: Path) -> Path:
+    d = shutil.copytree(BF16_SRC, tmp / "src")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["BailingMoeV2_5ForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (_truncated, "model.safetensors: truncated: tensor"),
+    (_index_missing_file, "model.safetensors.index.json names model-0000"),
+    (_bad_scale, "scale model.layers.0.attention.q_proj.weight_scale_inv has shape"),
+    (_bad_architecture, "architectures=.*BailingMoeV3ForCausalLM"),
+    (lambda tmp: tmp / "does-not-exist", "does-not-exist: no such directory"),
+])
+def test_bad_input_fails_cleanly(tmp_path, capsys, make, message):
+    src = make(tmp_path)
+    out = tmp_path / "out"
+    assert convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ling-convert: error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not out.exists() and not partial_dir(out).exists()
+
+
+def test_cli_refusals(tmp_path, capsys, ck_float8):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "taken"), "--quiet"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "o"), "--dtype", "float8"]) == 1
+    assert "no block-FP8 weights" in capsys.readouterr().err
+    assert export_main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err.startswith("ling-export: error: ")
+    with pytest.raises(SystemExit) as e:
+        convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "o"), "--dtype", "int4"])
+    assert e.value.code != 0
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("module", ["convert", "export"])
+def test_help_does_not_start_jax(module):
+    """--help works where JAX has no usable backend at all (so it never initialises one)."""
+    r = subprocess.run([sys.executable, "-m", f"ling_jax.checkpoint.{module}", "--help"], capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "no-such-platform"}, timeout=120)
+    assert r.returncode == 0 and "--out" in r.stdout, r.stderr
+
+
+def test_mesh_restore_places_each_leaf(ck_float8):
+    pytest.importorskip("ling_jax.sharding")
+    from ling_jax.params import default_sharding, param_slots
+
+    mesh = ling_jax.make_mesh(expert=4, data=2)
+    cfg, params = load_checkpoint(ck_float8, dtype="bfloat16", mesh=mesh)
+    sharding = default_sharding(cfg, mesh)
+    for slot in param_slots(cfg):
+        leaf = params
+        for k in slot.path:
+            leaf = leaf[k]
+        assert leaf.sharding.is_equivalent_to(sharding(slot), len(slot.shape)), slot.path
+
+
+# ---------------------------------------------------------------- memory
+RSS_SNIPPET = """
+import resource, sys
+from ling_jax.checkpoint.convert import main
+rc = main(sys.argv[1:])
+print("MAXRSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.heavy
+def test_peak_rss_does_not_grow_with_model_size(tmp_path):
+    """Two FP8 models of 0.5 and 1.5 GB with the same largest tensor: the same, bounded peak RSS."""
+    peaks = {}
+    largest = 4096 * 512 * 2  # the bf16 embedding / head of `_big_fp8_source`
+    for layers in (8, 24):
+        src = _big_fp8_source(tmp_path / f"src{layers}", layers)
+        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        r = subprocess.run([sys.executable, "-c", RSS_SNIPPET, "--hf-dir", str(src), "--out", str(tmp_path / "o"),
+                            "--dtype", "bfloat16", "--quiet"], env=ENV, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        peaks[size] = int(r.stdout.split("MAXRSS")[1])
+        shutil.rmtree(tmp_path / "o")
+        shutil.rmtree(src)
+    (small, p_small), (big, p_big) = sorted(peaks.items())
+    assert big > 2.5 * small
+    bound = (400 << 20) + 16 * largest  # interpreter + JAX/Orbax/tensorstore imports, then a window of tensors
+    assert p_small < bound and p_big < bound, peaks
+    assert p_big < 1.15 * p_small, peaks
+
+
+def test_bfloat16_target_rounds_fp8_once(ck_fp8_as_bf16):
+    """--dtype bfloat16 == bf16(float32 dequantization): one rounding, checked element-wise on one weight."""
+    _, params = load_checkpoint(ck_fp8_as_bf16)
+    src = SafetensorsDir(FP8_SRC)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"  # [128, 24]: a partial edge block column
+    w = src.get(name).astype(np.float32) * np.repeat(np.repeat(src.get(name + "_scale_inv"), 32, 0), 32, 1)[:128, :24]
+    got = np.asarray(params["segments"][1]["mlp"]["down_proj"][0, 5])
+    np.testing.assert_array_equal(got.view(np.uint16), w.T.astype(ml_dtypes.bfloat16).view(np.uint16))
