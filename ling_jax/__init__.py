@@ -2,8 +2,9 @@
 
 from ling_jax import ops
 from ling_jax.checkpoint.hf import load_hf_checkpoint
+from ling_jax.checkpoint.orbax_io import load_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.generate import generate
 from ling_jax.model import forward, forward_with_mtp
 
-__all__ = ["LingConfig", "forward", "forward_with_mtp", "generate", "load_hf_checkpoint", "ops"]
+__all__ = ["LingConfig", "forward", "forward_with_mtp", "generate", "load_checkpoint", "load_hf_checkpoint", "ops"]
