@@ -6,5 +6,9 @@ from ling_jax.checkpoint.orbax_io import load_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.generate import generate
 from ling_jax.model import forward, forward_with_mtp
+from ling_jax.sharding import make_mesh
 
-__all__ = ["LingConfig", "forward", "forward_with_mtp", "generate", "load_checkpoint", "load_hf_checkpoint", "ops"]
+__all__ = [
+    "LingConfig", "forward", "forward_with_mtp", "generate", "load_checkpoint", "load_hf_checkpoint", "make_mesh",
+    "ops",
+]

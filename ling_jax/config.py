@@ -24,7 +24,7 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("auto", "ragged", "dense", "mgpu", "gmm")  # ling_jax.ops.moe.IMPLS
 
 
 class ConfigError(ValueError):
@@ -162,7 +162,7 @@ class LingConfig:
     quantization: QuantConfig | None = dataclasses.field(default=None, compare=False)
     # --- runtime options (not in config.json) ---
     kda_impl: str = "auto"
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     swiglu_clamp: bool = True
     # the original JSON, kept to write it back on export (not compared, not hashed)
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)

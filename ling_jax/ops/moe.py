@@ -1,33 +1,259 @@
 """Routed-expert compute: every (token, expert) pair of a top-k routing, dropless.
 
-`routed_experts` is the one function the MoE layer calls; `impl` picks how the grouped matmul is
-done. `ragged` sorts the token copies by expert and runs `jax.lax.ragged_dot` (one grouped
-matmul per projection, no padding, no capacity); `dense` evaluates every expert on every token and
-gathers — the reference the fast paths are tested against (only for tiny shapes).
+`routed_experts` is what the MoE layer calls on one device; `routed_partial` is the same sum
+restricted to a contiguous range of experts, returned in float32 — the per-device piece of the
+expert-parallel dispatch in layers/moe.py (there `first_expert` is the device's first expert and
+the weights are its local experts; on one device it is all of them).
+
+Both sort the token copies by expert and run one grouped matmul per projection on the sorted rows.
+`impl` picks the grouped matmul:
+
+  ragged  `jax.lax.ragged_dot` (XLA; every backend; slow on GPU: 8–11 TFLOP/s on an H200)
+  mgpu    JAX's Pallas Mosaic-GPU kernels (`ragged_dot_mgpu` for the forward and dX with
+          transposed weights, `transposed_ragged_dot_mgpu` for dW) behind a custom VJP. Hopper
+          (sm90) only; elsewhere it runs in the Mosaic-GPU interpreter (tests).
+  gmm     the TPU megablox kernels (`gmm`, `tgmm`) behind the same custom VJP; interpret mode
+          off-TPU (tests).
+  dense   every expert on every token, then a gather: the reference the others are tested
+          against (tiny shapes only).
+  auto    mgpu on an sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
+
+Every grouped matmul here has `jax.lax.ragged_dot`'s semantics, including rows past
+`sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are masked);
+the expert-parallel dispatch relies on that, its buffers being sized for the worst case.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import math
 
 import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
 
-IMPLS = ("ragged", "dense")
+IMPLS = ("auto", "ragged", "dense", "mgpu", "gmm")
+KERNELS = ("mgpu", "gmm")
+
+# Mosaic-GPU tiles (toolchain.md §8: 171 TFLOP/s on an H200 with these); megablox tiles.
+MGPU_BLOCK_M, MGPU_BLOCK_N, MGPU_BLOCK_K, MGPU_STEPS, MGPU_GRID_BLOCK_N = 128, 128, 64, 4, 1
+GMM_TILE = 128
+
+
+def _is_sm90() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def resolve_impl(impl: str, dtype: jnp.dtype) -> str:
+    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "gmm"
+    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and _is_sm90():
+        return "mgpu"
+    return "ragged"
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """Zeroes the rows past sum(group_sizes) (kernels leave them unwritten)."""
+    valid_M = jnp.arange(y_MN.shape[0]) < jnp.sum(group_sizes_G)
+    return jnp.where(valid_M[:, None], y_MN, jnp.zeros((), y_MN.dtype))
+
+
+def _interpret_mgpu() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
+    """ragged_dot_mgpu, shapes padded to the tiles: [M, K] x [G, K, N] (or [G, N, K]^T) -> [M, N]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    m, k = x_MK.shape
+    n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
+    align = math.lcm(MGPU_BLOCK_N, MGPU_BLOCK_K)
+    x = _pad(_pad(x_MK, 0, MGPU_BLOCK_M), 1, align)
+    w = _pad(_pad(w_GKN, 1, align), 2, align)
+    call = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=gs_G.astype(jnp.int32),
+                             block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
+                             max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N,
+                             transpose_rhs=transpose_rhs)
+    if _interpret_mgpu():
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            y = call(x, w)
+    else:
+        y = call(x, w)
+    return y[:m, :n]
+
+
+def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
+    """transposed_ragged_dot_mgpu: per group g, x[rows of g]^T @ dy[rows of g] -> [G, K, N]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    k, n = x_MK.shape[1], dy_MN.shape[1]
+    align = math.lcm(MGPU_BLOCK_M, MGPU_BLOCK_K)
+    x = _pad(_pad(x_MK, 0, align), 1, MGPU_BLOCK_M)
+    dy = _pad(_pad(dy_MN, 0, align), 1, MGPU_BLOCK_N)
+    call = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=gs_G.astype(jnp.int32),
+                             block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
+                             max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N)
+    if _interpret_mgpu():
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            dw = call(x, dy)
+    else:
+        dw = call(x, dy)
+    return dw[:, :k, :n]
+
+
+def _megablox():
+    """The megablox kernel module (the package re-exports a function under the module's name)."""
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
+    megablox = _megablox()
+    m, k = x_MK.shape
+    n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
+    x = _pad(_pad(x_MK, 0, GMM_TILE), 1, GMM_TILE)
+    w = _pad(_pad(w_GKN, 1, GMM_TILE), 2, GMM_TILE)
+    y = megablox.gmm(x, w, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3, transpose_rhs=transpose_rhs,
+                     interpret=jax.default_backend() != "tpu")
+    return y[:m, :n]
+
+
+def _gmm_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
+    megablox = _megablox()
+    k, n = x_MK.shape[1], dy_MN.shape[1]
+    x = _pad(_pad(x_MK, 0, GMM_TILE), 1, GMM_TILE)
+    dy = _pad(_pad(dy_MN, 0, GMM_TILE), 1, GMM_TILE)
+    dw = megablox.tgmm(x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3,
+                       interpret=jax.default_backend() != "tpu")
+    return dw[:, :k, :n]
+
+
+_MATMUL = {"mgpu": _mgpu_matmul, "gmm": _gmm_matmul}
+_DW = {"mgpu": _mgpu_dw, "gmm": _gmm_dw}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def kernel_ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, kernel: str) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes)` through a Pallas kernel ("mgpu" or "gmm"), differentiable.
+
+    Backward: dX = the same kernel on dY with the weights transposed in the kernel, dW = the
+    kernel's transposed grouped matmul (per group, X_g^T dY_g). Rows past sum(group_sizes) are
+    zero in Y and in dX.
+    """
+    return _row_mask(_MATMUL[kernel](x_MK, w_GKN, group_sizes_G, False), group_sizes_G)
+
+
+def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel):
+    return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel), (x_MK, w_GKN, group_sizes_G)
+
+
+def _krd_bwd(kernel, res, dy_MN):
+    x_MK, w_GKN, gs_G = res
+    dy_MN = _row_mask(dy_MN.astype(x_MK.dtype), gs_G)
+    dx_MK = _row_mask(_MATMUL[kernel](dy_MN, w_GKN, gs_G, True), gs_G)
+    dw_GKN = _DW[kernel](x_MK, dy_MN, gs_G).astype(w_GKN.dtype)
+    return dx_MK, dw_GKN, None
+
+
+kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
+
+
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str) -> jax.Array:
+    """Rows sorted by group: row block g of x times w[g]; [M, K] x [G, K, N] -> [M, N] in x's dtype.
+
+    Rows past sum(group_sizes) are zero. `impl`: "ragged", "mgpu" or "gmm" (see the module doc).
+    """
+    w_GKN = w_GKN.astype(x_MK.dtype)
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+    if impl in KERNELS:
+        return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl)
+    raise ValueError(f"grouped_matmul impl={impl!r}: must be 'ragged' or one of {KERNELS}")
+
+
+# ----------------------------------------------------------------------------- experts
 
 
 def combine(y_NKD: jax.Array, w_NK: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Weighted sum of the k expert outputs in float32, cast to the activation dtype (§6 item 14)."""
+    """Weighted sum of the k expert outputs in float32, cast to `dtype` (§6 item 14)."""
     return jnp.einsum("nk,nkd->nd", w_NK, y_NKD.astype(jnp.float32)).astype(dtype)
 
 
 def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, limit: jax.Array | float) -> jax.Array:
-    """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M."""
-    dt = x_MD.dtype
-    g_MI = jax.lax.ragged_dot(x_MD, w_gate.astype(dt), group_sizes_E)
-    u_MI = jax.lax.ragged_dot(x_MD, w_up.astype(dt), group_sizes_E)
-    return jax.lax.ragged_dot(swiglu_act(g_MI, u_MI, limit), w_down.astype(dt), group_sizes_E)
+                      w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged") -> jax.Array:
+    """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
+
+    Rows past sum(group_sizes) come out zero.
+    """
+    g_MI = grouped_matmul(x_MD, w_gate, group_sizes_E, impl=impl)
+    u_MI = grouped_matmul(x_MD, w_up, group_sizes_E, impl=impl)
+    return grouped_matmul(swiglu_act(g_MI, u_MI, limit), w_down, group_sizes_E, impl=impl)
+
+
+def routed_partial(
+    x_ND: jax.Array,
+    idx_NK: jax.Array,
+    w_NK: jax.Array,
+    first_expert: jax.Array | int,
+    w_gate_LDI: jax.Array,
+    w_up_LDI: jax.Array,
+    w_down_LID: jax.Array,
+    *,
+    limit: jax.Array | float = 0.0,
+    impl: str = "ragged",
+) -> jax.Array:
+    """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) over the choices j with idx in [first, first + L): [N, D] f32.
+
+    The weights hold experts first .. first+L-1. Choices outside that range (other devices'
+    experts, or the padding sentinel idx = E) contribute nothing and cost nothing in the grouped
+    matmul: the copies are sorted with the local ones first (by expert) and only the worst-case
+    number of local copies, N * min(k, L), is fed to it — dropless under any routing skew.
+    Expert outputs are in x's dtype, the weighted sum is float32.
+    """
+    n, k = idx_NK.shape
+    n_local = w_gate_LDI.shape[0]
+    impl = resolve_impl(impl, x_ND.dtype)
+    local_NK = idx_NK - first_expert
+    is_local_NK = (local_NK >= 0) & (local_NK < n_local)
+    if impl == "dense":
+        dt = x_ND.dtype
+        g = jnp.einsum("nd,edi->nei", x_ND, w_gate_LDI.astype(dt))
+        u = jnp.einsum("nd,edi->nei", x_ND, w_up_LDI.astype(dt))
+        y_NLD = jnp.einsum("nei,eid->ned", swiglu_act(g, u, limit), w_down_LID.astype(dt))
+        y_NKD = jnp.take_along_axis(y_NLD, jnp.where(is_local_NK, local_NK, 0)[..., None], axis=1)
+        return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
+    key_M = jnp.where(is_local_NK, local_NK, n_local).reshape(-1)  # non-local copies sort last
+    cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
+    order_C = jnp.argsort(key_M, stable=True)[:cap]
+    group_sizes_L = jnp.bincount(key_M, length=n_local + 1)[:n_local].astype(jnp.int32)
+    y_sorted_CD = expert_ffn_sorted(x_ND[order_C // k], group_sizes_L, w_gate_LDI, w_up_LDI, w_down_LID,
+                                    limit, impl)
+    # rows past the local copies are zero, so the non-local slots they land in stay zero
+    y_MD = jnp.zeros((n * k, y_sorted_CD.shape[-1]), y_sorted_CD.dtype).at[order_C].set(y_sorted_CD)
+    return combine(y_MD.reshape(n, k, -1), w_NK, jnp.float32)
 
 
 def routed_experts(
@@ -41,21 +267,11 @@ def routed_experts(
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
 ) -> jax.Array:
-    """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype."""
-    n, k = idx_NK.shape
-    e = w_gate_EDI.shape[0]
-    if impl == "dense":
-        dt = x_ND.dtype
-        g = jnp.einsum("nd,edi->nei", x_ND, w_gate_EDI.astype(dt))
-        u = jnp.einsum("nd,edi->nei", x_ND, w_up_EDI.astype(dt))
-        y_NED = jnp.einsum("nei,eid->ned", swiglu_act(g, u, limit), w_down_EID.astype(dt))
-        return combine(jnp.take_along_axis(y_NED, idx_NK[..., None], axis=1), w_NK, dt)
-    if impl != "ragged":
-        raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
-    flat_M = idx_NK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)
-    group_sizes_E = jnp.bincount(flat_M, length=e).astype(jnp.int32)
-    y_sorted_MD = expert_ffn_sorted(x_ND[order_M // k], group_sizes_E, w_gate_EDI, w_up_EDI,
-                                    w_down_EID, limit)
-    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    return combine(y_MD.reshape(n, k, -1), w_NK, x_ND.dtype)
+    """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local)."""
+    return routed_partial(x_ND, idx_NK, w_NK, 0, w_gate_EDI, w_up_EDI, w_down_EID, limit=limit,
+                          impl=impl).astype(x_ND.dtype)
+
+
+def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
+    """Copies routed to each expert [E] int32; indices outside [0, E) (padding) are not counted."""
+    return jnp.zeros((num_experts,), jnp.int32).at[idx_NK.reshape(-1)].add(1, mode="drop")

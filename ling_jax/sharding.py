@@ -1,0 +1,190 @@
+"""Mesh construction and the one table of PartitionSpecs (DESIGN.md "Sharding: one table, logical roles").
+
+The mesh has four named axes, always in this order:
+
+    data    pure data parallelism: shards tokens, replicates every param
+    fsdp    shards tokens *and* the "model" dim of every large param (ZeRO-3 style: GSPMD gathers
+            a weight where it is used)
+    expert  shards the experts of every MoE layer; outside the MoE dispatch it shards tokens like
+            `data` (so attention is not computed redundantly on the expert axis)
+    tensor  Megatron-style tensor parallelism: heads of attention, the intermediate width of MLPs
+            and experts, the vocabulary of the lm_head
+
+Every param leaf gets a *role* from its path in the param pytree (`role_of`), every role a
+per-dimension tuple of mesh axes (`ROLES`). Stacked layer axes (the leading `[n_layers]` /
+`[n_groups, G-1]` axes of a stack) are never sharded. A dimension whose size is not divisible by
+its axes' size falls back to replicated on those axes (one by one from the last), so odd tiny
+shapes still run on any mesh. Activations have roles too (`act_btd`, `tokens_bt`, ...); layer code
+refers to roles (`constrain`), never to axis names, except the MoE `shard_map` in layers/moe.py.
+
+Specs depend only on the mesh's axis *sizes*, so the same table serves a real `Mesh`, an
+`AbstractMesh` inside jit, and the memory plan (ling_jax/memory.py) of machines we do not have.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ling_jax.config import LingConfig
+
+AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes that shard tokens (batch rows, or flattened tokens)
+
+AxisSpec = str | tuple[str, ...] | None
+
+# role -> one entry per dimension of the leaf (stack axes excluded) or of the activation.
+ROLES: dict[str, tuple[AxisSpec, ...]] = {
+    # ---- params
+    "replicated": (),  # norms, router, expert_bias, o_norm: small, or needed whole by every token
+    "embed": ("fsdp", None),  # [V, D]: vocabulary rows over fsdp (GSPMD: masked local gather + all-reduce)
+    "lm_head": ("fsdp", "tensor"),  # [D, V]: vocabulary-parallel logits
+    "in_proj": ("fsdp", "tensor"),  # [D, X] column-parallel: KDA q/k/v/f/g/b, MLA q/g, MLP gate/up
+    "out_proj": ("tensor", "fsdp"),  # [X, D] row-parallel: KDA o_proj, MLA dense, MLP down
+    "lora_a": ("fsdp", None),  # [D, r] into a small rank: MLA q_a/kv_a, KDA f_a/g_a, MTP eh_proj
+    "lora_b": (None, "tensor"),  # [r, X] out of a small rank: MLA q_b/kv_b, KDA f_b/g_b
+    "head_vec": ("tensor",),  # per-head/per-channel vectors of KDA: A_log [H], dt_bias [P]
+    "conv": ("tensor", None),  # KDA depthwise conv [P, W]
+    "expert_in": ("expert", "fsdp", "tensor"),  # routed gate/up [E, D, I]
+    "expert_out": ("expert", "tensor", "fsdp"),  # routed down [E, I, D]
+    # ---- activations
+    "tokens_bt": (BATCH_AXES, None),  # ids, masks, labels [B, T]
+    "act_btd": (BATCH_AXES, None, None),  # residual stream [B, T, D]
+    "act_btv": (BATCH_AXES, None, "tensor"),  # logits [B, T, V]
+    "act_nd": (BATCH_AXES, None),  # flattened tokens [N, D] (MoE dispatch)
+    "act_nk": (BATCH_AXES, None),  # router choices/weights [N, k], logits [N, E]
+}
+
+# leaf name (last element of a ParamSlot.path) -> role; expert leaves are told apart by `Leaf.experts`.
+NAME_ROLES: dict[str, str] = {
+    "embed": "embed", "lm_head": "lm_head",
+    "input_norm": "replicated", "post_attn_norm": "replicated", "final_norm": "replicated",
+    "enorm": "replicated", "hnorm": "replicated", "o_norm": "replicated", "q_a_norm": "replicated",
+    "kv_a_norm": "replicated", "router": "replicated", "expert_bias": "replicated",
+    "q_proj": "in_proj", "k_proj": "in_proj", "v_proj": "in_proj", "f_proj": "in_proj", "g_proj": "in_proj",
+    "b_proj": "in_proj", "gate_proj": "in_proj", "up_proj": "in_proj",
+    "shared_gate_proj": "in_proj", "shared_up_proj": "in_proj",
+    "o_proj": "out_proj", "dense": "out_proj", "down_proj": "out_proj", "shared_down_proj": "out_proj",
+    "q_a_proj": "lora_a", "kv_a_proj": "lora_a", "f_a_proj": "lora_a", "g_a_proj": "lora_a", "eh_proj": "lora_a",
+    "q_b_proj": "lora_b", "kv_b_proj": "lora_b", "f_b_proj": "lora_b", "g_b_proj": "lora_b",
+    "A_log": "head_vec", "dt_bias": "head_vec",
+    "q_conv": "conv", "k_conv": "conv", "v_conv": "conv",
+}
+EXPERT_ROLES = {"gate_proj": "expert_in", "up_proj": "expert_in", "down_proj": "expert_out"}
+
+
+def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1,
+              devices: Sequence[Any] | None = None) -> Mesh:
+    """A `Mesh` over ("data", "fsdp", "expert", "tensor") with Auto axis types.
+
+    The product of the sizes is the number of devices used. With every size 1 (the default), all
+    devices go on `data`. `devices` defaults to `jax.devices()` (all processes' devices); in a
+    single process a smaller product takes the first devices, in several it must match exactly.
+    """
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"make_mesh: {name}={n!r} must be a positive integer")
+    explicit = devices is not None
+    devs = list(jax.devices() if devices is None else devices)
+    n_used = math.prod(sizes.values())
+    if n_used == 1:
+        sizes["data"] = n_used = len(devs)
+    if n_used > len(devs) or (n_used < len(devs) and (explicit or jax.process_count() > 1)):
+        raise ValueError(f"make_mesh: data*fsdp*expert*tensor = {n_used} but {len(devs)} devices "
+                         f"{'were given' if explicit else 'are available'}")
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devs[:n_used])
+
+
+def axis_sizes(mesh: Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None) -> dict[str, int]:
+    """{axis: size} for our four axes (absent axes, or no mesh: 1)."""
+    if mesh is None:
+        return dict.fromkeys(AXES, 1)
+    shape = dict(mesh) if isinstance(mesh, Mapping) else dict(mesh.shape)
+    return {a: int(shape.get(a, 1)) for a in AXES}
+
+
+def fit_spec(shape: Sequence[int], dims: Sequence[AxisSpec], sizes: Mapping[str, int]) -> PartitionSpec:
+    """PartitionSpec for `shape` from per-dim axes, dropping (last first) axes that do not divide the dim.
+
+    `dims` may be shorter than `shape`: it applies to the trailing dims (leading stack axes stay None).
+    Axes of size 1 are dropped too, so specs only name axes that actually split something.
+    """
+    lead = len(shape) - len(dims)
+    if lead < 0:
+        raise ValueError(f"spec {tuple(dims)} has more entries than shape {tuple(shape)}")
+    out: list[AxisSpec] = [None] * lead
+    for n, ax in zip(shape[lead:], dims, strict=True):
+        names = [a for a in ((ax,) if isinstance(ax, str) else (ax or ())) if sizes.get(a, 1) > 1]
+        while names and n % math.prod(sizes[a] for a in names):
+            names.pop()
+        out.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    return PartitionSpec(*out)
+
+
+def role_of(path: Sequence[Any], experts: bool = False) -> str:
+    """The sharding role of a param leaf at `path` (a `ParamSlot.path` or a layer-dict path)."""
+    name = next((k for k in reversed(path) if isinstance(k, str)), None)
+    if experts:
+        if name not in EXPERT_ROLES:
+            raise KeyError(f"no sharding role for expert leaf {path!r}: add it to EXPERT_ROLES")
+        return EXPERT_ROLES[name]
+    if name not in NAME_ROLES:
+        raise KeyError(f"no sharding role for param {path!r}: add its name to ling_jax.sharding.NAME_ROLES")
+    return NAME_ROLES[name]
+
+
+def spec(role: str, shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None
+         ) -> PartitionSpec:
+    """The table's PartitionSpec of `role` for an array of `shape` on `mesh` (divisibility fallback applied)."""
+    if role not in ROLES:
+        raise KeyError(f"unknown sharding role {role!r}; known: {sorted(ROLES)}")
+    dims = ROLES[role]
+    if not dims:
+        return PartitionSpec()
+    return fit_spec(shape, dims, axis_sizes(mesh))
+
+
+def param_spec(cfg: LingConfig, slot: Any, mesh: Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None
+               ) -> PartitionSpec:
+    """PartitionSpec of one `ParamSlot` (stack axes unsharded)."""
+    del cfg  # the role follows from the slot; kept in the signature for table variants per config
+    return spec(role_of(slot.path, slot.leaf.experts), slot.shape, mesh)
+
+
+def param_sharding(cfg: LingConfig, slot: Any, mesh: Mesh) -> NamedSharding:
+    """`NamedSharding` of one `ParamSlot` on `mesh` (what `params.materialize` creates arrays with)."""
+    return NamedSharding(mesh, param_spec(cfg, slot, mesh))
+
+
+def param_shardings(cfg: LingConfig, mesh: Mesh) -> Any:
+    """The param pytree of `NamedSharding`s (e.g. `jit` out_shardings, Orbax restore targets)."""
+    from ling_jax.params import build_tree
+
+    return build_tree(cfg, lambda slot: param_sharding(cfg, slot, mesh))
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Sharding of a batch array [B, ...]: rows over the token axes (data, fsdp, expert) that divide B."""
+    return NamedSharding(mesh, fit_spec(shape, (BATCH_AXES,) + (None,) * (len(shape) - 1), axis_sizes(mesh)))
+
+
+def context_mesh() -> jax.sharding.AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (inside jit: its abstract mesh), or None when there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def constrain(x: jax.Array, role: str) -> jax.Array:
+    """`with_sharding_constraint` of `x` to its role's spec on the context mesh; identity without one."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(role, x.shape, mesh)))
