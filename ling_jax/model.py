@@ -189,52 +189,103 @@ def lm_head(cfg: LingConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
     return (h_BTD @ w.astype(h_BTD.dtype)).astype(jnp.float32)
 
 
+REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "full": None,  # save only each layer's input; recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmul outputs
+    "dots_all": jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
+}
+
+
+def _rematted(fn: Callable, remat: str) -> Callable:
+    """`fn` under the named rematerialisation policy ("none": as is)."""
+    if remat == "none":
+        return fn
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}: must be 'none' or one of {sorted(REMAT_POLICIES)}")
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
+
+
+def _expert_counts(cfg: LingConfig, aux: dict[str, jax.Array]) -> jax.Array:
+    """Tokens routed to each expert [E] (int32) from a MoE layer's router aux."""
+    return jnp.bincount(aux["topk_idx"].reshape(-1), length=cfg.num_experts).astype(jnp.int32)
+
+
 def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BTD: jax.Array,
-               ctx: Context) -> list[jax.Array]:
-    """Hidden states of the MTP layers (after their final_layernorm), §2.8.
+               ctx: Context, remat: str = "none") -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
+    """Hidden states of the MTP layers (after their final_layernorm) and their router aux, §2.8.
 
     MTP layer j sees the ids shifted left by j+1 (vacated positions get id 0) and the previous
     stage's hidden state (the final-normed main output for j = 0).
     """
-    outs, h, ids = [], h_final_BTD, input_ids
+    outs, auxs, h, ids = [], [], h_final_BTD, input_ids
     mix = sequence_mixer(cfg, ctx)
     for j, p in enumerate(params["mtp"]):
         i = cfg.num_hidden_layers + j
         ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
-        e = rms_norm(embed(params, ids), p["enorm"], cfg.rms_norm_eps)
-        z = jnp.concatenate([e, rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
-        z = z @ p["eh_proj"].astype(z.dtype)
-        z, _, _ = decoder_layer(p, z, _limits(cfg, np.array(i)), cfg=cfg, ffn=cfg.ffn_of(i),
-                                mix=lambda pa, x: mix(pa, x, "mla", None))
-        h = rms_norm(z, p["final_norm"], cfg.rms_norm_eps)
+
+        def layer(p, h, ids, i=i):
+            e = rms_norm(embed(params, ids), p["enorm"], cfg.rms_norm_eps)
+            z = jnp.concatenate([e, rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
+            z = z @ p["eh_proj"].astype(z.dtype)
+            z, _, aux = decoder_layer(p, z, _limits(cfg, np.array(i)), cfg=cfg, ffn=cfg.ffn_of(i),
+                                      mix=lambda pa, x: mix(pa, x, "mla", None))
+            return rms_norm(z, p["final_norm"], cfg.rms_norm_eps), aux
+
+        h, aux = _rematted(layer, remat)(p, h, ids)
         outs.append(h)
-    return outs
+        auxs.append(aux)
+    return outs, auxs
 
 
 def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
                    attention_mask: jax.Array | None = None, positions: jax.Array | None = None,
-                   segment_ids: jax.Array | None = None, mtp: bool = False,
-                   collect: bool = False) -> dict[str, Any]:
+                   segment_ids: jax.Array | None = None, mtp: bool = False, collect: bool = False,
+                   expert_counts: bool = False, remat: str = "none") -> dict[str, Any]:
     """The model up to (not including) the lm_head.
 
-    Returns {"final": final-normed hidden [B, T, D], "mtp": [MTP hiddens] if mtp,
-    "layers": per layer {"hidden": output, "router": aux} if collect}.
+    Returns {"final": final-normed hidden [B, T, D]}, plus
+      "mtp": [MTP hiddens] if `mtp`;
+      "layers": per layer {"hidden": output, "router": aux} if `collect`;
+      "expert_counts": tokens per expert of every MoE layer, stacked like params["segments"]
+      ([n, E] for a run, {"kda": [n, G-1, E], "mla": [n, E]} for groups, None for dense runs),
+      and "mtp_expert_counts" ([E] per MoE MTP layer) if `expert_counts`.
+    `remat` ("none", "full", "dots", "dots_all") rematerialises each layer in the backward pass.
     """
     ctx = make_context(cfg, input_ids, attention_mask=attention_mask, positions=positions,
                        segment_ids=segment_ids)
     mix = sequence_mixer(cfg, ctx)
 
     def layer(p, x, lim, cache, mixer, ffn):
-        x, _, aux = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
-        return x, ({"hidden": x, "router": aux} if collect else None)
+        def inner(p, x, lim):
+            x, _, aux = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
+            return x, aux
+
+        x, aux = _rematted(inner, remat)(p, x, lim)
+        y: dict[str, Any] = {}
+        if collect:
+            y.update(hidden=x, router=aux)
+        if expert_counts and ffn == "moe":
+            y["counts"] = _expert_counts(cfg, aux)
+        return x, y
 
     x, ys = run_stack(cfg, params, embed(params, input_ids), layer)
     out: dict[str, Any] = {"final": rms_norm(x, params["final_norm"], cfg.rms_norm_eps)}
     if mtp:
-        out["mtp"] = mtp_hidden(cfg, params, input_ids, out["final"], ctx)
+        out["mtp"], mtp_aux = mtp_hidden(cfg, params, input_ids, out["final"], ctx, remat)
+        if expert_counts:
+            out["mtp_expert_counts"] = [_expert_counts(cfg, a) if a else None for a in mtp_aux]
     if collect:
         out["layers"] = per_layer(cfg, ys)
+    if expert_counts:
+        out["expert_counts"] = [_counts_only(y) for y in ys]
     return out
+
+
+def _counts_only(y: Any) -> Any:
+    """The "counts" entries of one segment's stacked layer outputs (None where there are none)."""
+    if isinstance(y, dict) and ("kda" in y or "mla" in y):
+        return {k: _counts_only(v) for k, v in y.items()}
+    return y.get("counts") if isinstance(y, dict) else None
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -120,3 +120,20 @@ def test_swiglu_clamp_lists_reach_the_model():
     plain = ling_jax.forward(LingConfig.preset("debug"), params, ids)
     assert rel_l2(off, plain) < 1e-6
     assert rel_l2(on, plain) > 1e-4
+
+
+def test_ragged_experts_gradients_equal_dense():
+    rng = np.random.default_rng(5)
+    n, d, e, i, k = 24, 8, 6, 10, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    idx = jnp.asarray(rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k], jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+
+    def loss(impl, x, w, *ws):
+        return jnp.sum(jnp.sin(routed_experts(x, idx, w, *ws, impl=impl)))
+
+    ga = jax.grad(lambda *a: loss("ragged", *a), argnums=(0, 1, 2, 3, 4))(x, w, *ws)
+    gb = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2, 3, 4))(x, w, *ws)
+    for a, b in zip(ga, gb, strict=True):
+        assert rel_l2(a, b) < 1e-5

@@ -1,0 +1,1 @@
+"""Continued pretraining of Ling-3 models: `ling-train` (data, optimizer, step, checkpoints, metrics)."""

@@ -1,0 +1,51 @@
+"""Orbax checkpoints of a training run: state (params, optimizer state, step), data iterator, metadata.
+
+`CheckpointManager` with asynchronous saves and keep-last-N. Restoring takes the abstract state
+(shapes, dtypes and target shardings) so every array comes back directly in its sharding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class RunCheckpoints:
+    """The checkpoints of one run under `<out>/checkpoints`."""
+
+    def __init__(self, out_dir: str | Path, *, keep: int, async_save: bool = True):
+        self.dir = Path(out_dir).resolve() / "checkpoints"
+        self.manager = ocp.CheckpointManager(
+            self.dir,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict[str, Any], data_state: dict[str, int], meta: dict[str, Any]) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+
+    def restore(self, abstract_state: dict[str, Any], step: int | None = None
+                ) -> tuple[dict[str, Any], dict[str, int], dict[str, Any]]:
+        step = self.latest_step() if step is None else step
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        return out["state"], out["data"], out["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)

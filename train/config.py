@@ -1,0 +1,84 @@
+"""`TrainConfig`: everything a training run needs beyond the model config, from a JSON/YAML file.
+
+Command-line flags of `ling-train` override the file. The learning-rate schedule's horizon is a
+config value (`schedule_steps`), never `--steps`, so stopping and resuming with a larger
+`--steps` continues the same schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, batching, parallelism and checkpointing options of a run."""
+
+    steps: int = 100
+    batch_size: int = 8  # sequences per optimizer step (global), split into `grad_accum` micro-batches
+    seq_len: int = 512
+    grad_accum: int = 1
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    schedule: str = "constant"  # "constant" after warmup, or "cosine" decay to `min_lr_ratio * lr`
+    schedule_steps: int = 0  # horizon of the cosine decay (required for "cosine")
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    compute_dtype: str = "bfloat16"  # params are fp32 masters; forward/backward run in this dtype
+    remat: str = "full"  # "none", "full", "dots", "dots_all"
+    bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (0 disables)
+    mtp_loss_weight: float | None = None  # None: the model config's mtp_loss_scaling_factor
+    mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # e.g. {"data": 2, "expert": 4}
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 3  # stop after this many consecutive non-finite steps
+    seed: int = 0
+    shuffle: bool = True
+    log_every: int = 1
+    peak_tflops: float | None = None  # per device; default from the device kind (see train/flops.py)
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides: Any) -> TrainConfig:
+        """Reads a JSON or YAML file (None: defaults), then applies non-None `overrides`."""
+        d: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise FileNotFoundError(f"--config {p}: no such file")
+            text = p.read_text()
+            if p.suffix in (".yaml", ".yml"):
+                import yaml
+
+                d = yaml.safe_load(text) or {}
+            else:
+                d = json.loads(text)
+            unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"--config {p}: unknown option(s) {sorted(unknown)}")
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
+        if self.schedule == "cosine" and self.schedule_steps <= self.warmup_steps:
+            raise ValueError("schedule='cosine' needs schedule_steps > warmup_steps")
+        if self.remat not in ("none", "full", "dots", "dots_all"):
+            raise ValueError(f"remat={self.remat!r} must be one of none, full, dots, dots_all")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,138 @@
+"""Training data: token files or raw text -> packed [B, T] batches with segment ids.
+
+A corpus is one flat stream of token ids in which each document ends with the end-of-sequence id:
+`.bin` (raw little-endian uint32) and `.npy` (an integer array) files are read memory-mapped and
+are expected to carry those separators already; `.txt` (one document per non-empty line) and
+`.jsonl` (one `{"text": ...}` object per line) are tokenized with a `tokenizer.json` and get an
+eos appended to each document. A directory means all such files in it, in sorted order.
+
+Packing cuts the stream into consecutive windows of T + 1 tokens (inputs and next-token labels).
+Inside a window a new segment starts after every eos, so KDA, the short conv and MLA never look
+across a document boundary; the label of an eos (the next document's first token) is masked.
+The iterator is deterministic and checkpointable: its whole state is `{"epoch", "index"}`, and
+epoch e visits the windows in the order of a permutation seeded by (seed, e).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+IGNORE = -100
+TOKEN_SUFFIXES = (".bin", ".npy")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """A corpus that cannot be trained on; the message names the file."""
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in TOKEN_SUFFIXES + TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"--data {path}: no .bin/.npy/.txt/.jsonl files in this directory")
+        return files
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file or directory")
+    if path.suffix not in TOKEN_SUFFIXES + TEXT_SUFFIXES:
+        raise DataError(f"--data {path}: unsupported file type {path.suffix!r} (use .bin, .npy, .txt or .jsonl)")
+    return [path]
+
+
+def _documents(path: Path) -> list[str]:
+    docs = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{n}: not a JSON object with a 'text' field ({e})") from None
+        else:
+            docs.append(line)
+    return docs
+
+
+def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: str | Path | None = None) -> np.ndarray:
+    """The whole corpus as one 1-D integer array (memory-mapped for a single token file)."""
+    parts: list[np.ndarray] = []
+    tok = None
+    for f in _files(Path(path)):
+        if f.suffix in TOKEN_SUFFIXES and f.stat().st_size == 0:
+            raise DataError(f"{f}: the corpus is empty (0 bytes)")
+        if f.suffix == ".bin":
+            if f.stat().st_size % 4:
+                raise DataError(f"{f}: size {f.stat().st_size} is not a multiple of 4 (uint32 tokens)")
+            parts.append(np.memmap(f, dtype="<u4", mode="r"))
+        elif f.suffix == ".npy":
+            arr = np.load(f, mmap_mode="r")
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise DataError(f"{f}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
+            parts.append(arr)
+        else:
+            if tokenizer is None:
+                raise DataError(f"{f}: text data needs --tokenizer tokenizer.json")
+            if tok is None:
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(str(tokenizer))
+            ids = [t for doc in _documents(f) for t in [*tok.encode(doc, add_special_tokens=False).ids, eos_id]]
+            parts.append(np.asarray(ids, np.uint32))
+    tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if tokens.size < 2:
+        raise DataError(f"--data {path}: the corpus is empty (needs at least 2 tokens)")
+    for lo in range(0, tokens.size, 1 << 24):  # bounded memory even for huge memmaps
+        chunk = np.asarray(tokens[lo : lo + (1 << 24)])
+        if chunk.max() >= vocab_size or chunk.min() < 0:
+            bad = int(chunk.max() if chunk.max() >= vocab_size else chunk.min())
+            at = lo + int(np.argmax(chunk == bad))
+            raise DataError(f"--data {path}: token id {bad} at position {at} is outside [0, vocab_size={vocab_size})")
+    return tokens
+
+
+class PackedBatches:
+    """Deterministic, checkpointable iterator of packed batches {"inputs", "labels", "segment_ids"} [B, T]."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, eos_id: int, seed: int = 0,
+                 shuffle: bool = True, state: dict[str, int] | None = None):
+        self.tokens, self.seq_len, self.batch_size, self.eos_id = tokens, seq_len, batch_size, eos_id
+        self.seed, self.shuffle = seed, shuffle
+        self.n_windows = (tokens.size - 1) // seq_len
+        if self.n_windows < 1:
+            raise DataError(f"the corpus has {tokens.size} tokens: fewer than one sequence of seq_len={seq_len} + 1")
+        self.epoch, self.index = (0, 0) if state is None else (int(state["epoch"]), int(state["index"]))
+        self._order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n_windows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def window(self, w: int) -> dict[str, np.ndarray]:
+        """Inputs, labels and segment ids of window `w`: each [T]."""
+        t = self.seq_len
+        seq = np.asarray(self.tokens[w * t : w * t + t + 1]).astype(np.int32)
+        is_eos = seq[:-1] == self.eos_id
+        seg = np.concatenate([[0], np.cumsum(is_eos)[:-1]]).astype(np.int32)  # new segment after each eos
+        labels = np.where(is_eos, IGNORE, seq[1:]).astype(np.int32)
+        return {"inputs": seq[:-1], "labels": labels, "segment_ids": seg}
+
+    def __iter__(self) -> PackedBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rows = []
+        for _ in range(self.batch_size):
+            if self.index == self.n_windows:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            rows.append(self.window(int(self._order[self.index])))
+            self.index += 1
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

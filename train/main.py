@@ -1,0 +1,198 @@
+"""`ling-train`: continued pretraining, from an HF or Orbax checkpoint or a random preset.
+
+    ling-train --init random:debug|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
+               --batch-size B --seq-len T [--lr LR] [--warmup-steps W] [--config FILE] [--tokenizer FILE]
+
+`--steps N` is the total: if `--out` already holds a checkpoint the run resumes from it and
+continues up to N (a run of 20 steps then the same command with `--steps 40` equals one run of
+40). A checkpoint is always written when a run ends. Every step appends one JSON line to
+`<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...) and prints a
+progress line; metrics are read one step late so the device never waits for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ling-train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--init", required=True, help="random:PRESET, hf:DIR or orbax:DIR (ignored when resuming)")
+    ap.add_argument("--data", required=True, help=".bin/.npy token file, .txt/.jsonl text, or a directory of them")
+    ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, config.json)")
+    ap.add_argument("--steps", type=int, required=True, help="total steps of the run (resumes up to it)")
+    ap.add_argument("--batch-size", type=int, help="global batch in sequences")
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--config", help="JSON/YAML TrainConfig file (see train/config.py)")
+    ap.add_argument("--tokenizer", help="tokenizer.json for .txt/.jsonl data")
+    return ap
+
+
+def _fail(msg: str) -> int:
+    print(f"ling-train: {msg}", file=sys.stderr)
+    return 2
+
+
+def init_model(spec: str, dtype: str, mesh: Any) -> tuple[Any, Any]:
+    """(config, float32 params) from random:PRESET, hf:DIR or orbax:DIR."""
+    import ling_jax
+    from ling_jax.params import init_params
+
+    kind, _, arg = spec.partition(":")
+    if kind == "random":
+        cfg = ling_jax.LingConfig.preset(arg)
+        return cfg, init_params(cfg, seed=0, dtype=dtype, mesh=mesh)
+    if kind == "hf":
+        return ling_jax.load_hf_checkpoint(arg, dtype=dtype, mesh=mesh)
+    if kind == "orbax":
+        return ling_jax.load_checkpoint(arg, dtype=dtype, mesh=mesh)
+    raise ValueError(f"--init {spec!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from train.config import TrainConfig
+
+    try:
+        tcfg = TrainConfig.load(args.config, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                                lr=args.lr, warmup_steps=args.warmup_steps)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        return _fail(str(e))
+    try:
+        return run(args, tcfg)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
+        return _fail(str(e))
+
+
+def run(args: argparse.Namespace, tcfg: Any) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ling_jax.config import LingConfig
+    from ling_jax.params import build_tree, default_sharding
+    from train.checkpointing import RunCheckpoints
+    from train.data import PackedBatches, load_tokens
+    from train.flops import peak_flops_per_device, train_flops_per_token
+    from train.optim import make_optimizer
+    from train.step import make_train_step, mtp_weight
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = None
+    if tcfg.mesh:
+        from ling_jax.sharding import make_mesh
+
+        mesh = make_mesh(**tcfg.mesh)
+    ckpts = RunCheckpoints(out, keep=tcfg.keep_checkpoints)
+    resume = ckpts.latest_step()
+    if resume is None:
+        cfg, params = init_model(args.init, "float32", mesh)
+        (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    else:
+        cfg = LingConfig.from_hf(out / "config.json")
+        params = None
+    if tcfg.seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"--seq-len {tcfg.seq_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    eos = cfg.eos_token_id[0] if cfg.eos_token_id else cfg.vocab_size - 1
+    tokens = load_tokens(args.data, vocab_size=cfg.vocab_size, eos_id=eos, tokenizer=args.tokenizer)
+    optimizer = make_optimizer(cfg, tcfg)
+
+    def fresh_state(p):
+        return {"params": p, "opt_state": optimizer.init(p), "step": jnp.int32(0), "bad_steps": jnp.int32(0)}
+
+    data_state = None
+    if resume is None:
+        state = jax.jit(fresh_state)(params)
+        start = 0
+    else:
+        shard = default_sharding(cfg, mesh)
+        params_abs = build_tree(cfg, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=shard(s)))
+        compiled = jax.jit(fresh_state).lower(params_abs).compile()
+        state_abs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                 jax.eval_shape(fresh_state, params_abs), compiled.output_shardings)
+        state, data_state, meta = ckpts.restore(state_abs, resume)
+        start = int(meta["iteration"])
+        print(f"resuming {out} at step {start}")
+    if start >= tcfg.steps:
+        print(f"{out}: already at step {start} >= --steps {tcfg.steps}; nothing to do")
+        ckpts.close()
+        return 0
+    batches = PackedBatches(tokens, seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, eos_id=eos, seed=tcfg.seed,
+                            shuffle=tcfg.shuffle, state=data_state)
+    step_fn = jax.jit(make_train_step(cfg, tcfg, optimizer), donate_argnums=0)
+    flops_tok = train_flops_per_token(cfg, tcfg.seq_len, mtp=mtp_weight(cfg, tcfg) > 0)
+    peak = peak_flops_per_device(tcfg.peak_tflops)
+    n_dev = len(jax.devices()) if mesh is None else mesh.size
+    meta = {"train_config": tcfg.to_json(), "model": cfg.to_hf()}
+
+    def put(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if mesh is None:
+            return jax.device_put(batch)
+        from ling_jax.sharding import batch_sharding
+
+        return jax.device_put(batch, batch_sharding(mesh, batch["inputs"].shape))
+
+    def save(it: int) -> None:
+        ckpts.save(it, state, batches.state(), {**meta, "iteration": it})
+
+    def report(it: int, m: dict[str, Any], dt: float) -> None:
+        tok_s = float(m["tokens_total"]) / dt if dt > 0 else 0.0
+        line = {"step": it, "loss": float(m["loss"]), "mtp_loss": float(m["mtp_loss"]),
+                "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "finite": bool(m["finite"]),
+                "tokens_per_s": tok_s, "step_time_s": dt,
+                "mfu": None if peak is None else flops_tok * tok_s / (peak * n_dev),
+                "moe_max_load_mean": float(np.mean(m["max_load"])) if m["max_load"].size else None,
+                "moe_max_load_per_layer": [round(float(x), 3) for x in m["max_load"]]}
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if it % tcfg.log_every == 0 or it == tcfg.steps:
+            mfu = "" if line["mfu"] is None else f" mfu {100 * line['mfu']:.1f}%"
+            print(f"step {it:>6} | loss {line['loss']:.4f} | grad {line['grad_norm']:.3f} | lr {line['lr']:.2e} | "
+                  f"{tok_s:,.0f} tok/s{mfu} | moe max/mean load {line['moe_max_load_mean'] or 0:.2f}"
+                  + ("" if line["finite"] else " | NON-FINITE: update skipped"), flush=True)
+
+    pending: tuple[int, Any, float] | None = None
+    bad = 0
+    it = start
+    try:
+        while it < tcfg.steps:
+            batch = put(next(batches))
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            it += 1
+            metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
+            if pending is not None:  # read the previous step's metrics while this one runs
+                p_it, p_m, p_t0 = pending
+                p_m = jax.device_get(p_m)
+                report(p_it, p_m, t0 - p_t0)
+                bad = 0 if p_m["finite"] else bad + 1
+            pending = (it, metrics, t0)
+            if bad >= tcfg.max_bad_steps:
+                print(f"ling-train: stopping after {bad} consecutive non-finite steps", file=sys.stderr)
+                break
+            if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
+                save(it)
+        if pending is not None:
+            p_it, p_m, p_t0 = pending
+            p_m = jax.device_get(p_m)
+            report(p_it, p_m, time.perf_counter() - p_t0)
+            bad = 0 if p_m["finite"] else bad + 1
+    finally:
+        save(it)
+        ckpts.wait()
+        ckpts.close()
+    print(f"saved {out / 'checkpoints'} at step {it}")
+    return 1 if bad >= tcfg.max_bad_steps else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
