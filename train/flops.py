@@ -17,13 +17,15 @@ PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "tpu v5p": 459.0, "t
                "tpu v5 lite": 197.0, "tpu v6e": 918.0, "tpu v4": 275.0}
 
 
-def _kda_matmul_params(cfg: LingConfig) -> int:
+def kda_matmul_params(cfg: LingConfig) -> int:
+    """Weights of one KDA mixer's matmuls (q, k, v, f, g, b, o projections)."""
     d, p, h, dh = cfg.hidden_size, cfg.kda_dim, cfg.num_attention_heads, cfg.head_dim
     fg = 2 * d * p if cfg.no_kda_lora else 2 * (d * dh + dh * p)
     return 3 * d * p + fg + d * h + p * d
 
 
-def _mla_matmul_params(cfg: LingConfig) -> int:
+def mla_matmul_params(cfg: LingConfig) -> int:
+    """Weights of one MLA mixer's matmuls (query, kv_a, kv_b, gate, dense)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     q = d * h * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * cfg.qk_head_dim)
     gate = h if cfg.gated_attention_proj_granularity_type == "head_wise" else h * cfg.v_head_dim
@@ -31,7 +33,8 @@ def _mla_matmul_params(cfg: LingConfig) -> int:
     return q + kv + d * gate + h * cfg.v_head_dim * d
 
 
-def _ffn_matmul_params(cfg: LingConfig, ffn: str) -> int:
+def ffn_matmul_params(cfg: LingConfig, ffn: str) -> int:
+    """Weights one token multiplies in an FFN: dense MLP, or router + k routed experts + shared expert."""
     d = cfg.hidden_size
     if ffn == "dense":
         return 3 * d * cfg.intermediate_size
@@ -56,15 +59,15 @@ def forward_flops_per_token(cfg: LingConfig, seq_len: int, *, mtp: bool = False)
     total = 2.0 * cfg.hidden_size * cfg.vocab_size  # lm_head
     for mixer, ffn in cfg.layer_kinds:
         if mixer == "kda":
-            total += 2 * _kda_matmul_params(cfg) + kda_flops_per_token(cfg)
+            total += 2 * kda_matmul_params(cfg) + kda_flops_per_token(cfg)
         else:
-            total += 2 * _mla_matmul_params(cfg) + mla_attention_flops_per_token(cfg, seq_len)
-        total += 2 * _ffn_matmul_params(cfg, ffn)
+            total += 2 * mla_matmul_params(cfg) + mla_attention_flops_per_token(cfg, seq_len)
+        total += 2 * ffn_matmul_params(cfg, ffn)
     if mtp:
         for j in range(cfg.num_nextn_predict_layers):
             i = cfg.num_hidden_layers + j
-            total += 2 * (2 * cfg.hidden_size * cfg.hidden_size + _mla_matmul_params(cfg)
-                          + _ffn_matmul_params(cfg, cfg.ffn_of(i)) + cfg.hidden_size * cfg.vocab_size)
+            total += 2 * (2 * cfg.hidden_size * cfg.hidden_size + mla_matmul_params(cfg)
+                          + ffn_matmul_params(cfg, cfg.ffn_of(i)) + cfg.hidden_size * cfg.vocab_size)
             total += mla_attention_flops_per_token(cfg, seq_len)
     return total
 

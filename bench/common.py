@@ -1,0 +1,100 @@
+"""Shared pieces of the benchmark scripts: machine facts, ceilings, timing, random device params.
+
+Timings are medians of warmed-up runs, each ended by `block_until_ready`; the ceilings (copy
+bandwidth, bf16 matmul rate) are measured in the same process so ratios use this card's numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import LingConfig
+from ling_jax.params import ParamSlot, build_tree
+
+
+def machine() -> dict[str, Any]:
+    import flax
+    import optax
+
+    dev = jax.devices()[0]
+    return {"device": dev.device_kind, "platform": dev.platform, "n_devices": jax.device_count(),
+            "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)}
+
+
+def median_time(fn: Callable[[], Any], *, reps: int = 5, warmup: int = 1) -> float:
+    """Median seconds of `reps` calls of fn() (each synchronised) after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device elementwise pass (bytes read + bytes written)."""
+    n = int(gib * (1 << 30)) // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 2)
+    t = median_time(lambda: f(x), reps=10, warmup=2)
+    return 2 * x.nbytes / t
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of an n^3 matmul on random data."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n**3 / median_time(lambda: f(a, b), reps=10, warmup=2)
+
+
+def random_params(cfg: LingConfig, dtype: Any, seed: int = 0) -> Any:
+    """Random params generated on the device (one small jit per leaf shape), for benchmarks.
+
+    Same distributions as `params.random_element` (linear N(0, 0.02), norms 1, A_log log U(1,16),
+    router/conv uniform), but without the host round trip, so billions of params take seconds.
+    """
+    counter = iter(range(1 << 30))
+
+    @jax.jit(static_argnums=(1, 2, 3))
+    def leaf(key: jax.Array, shape: tuple[int, ...], kind: str, dt: Any) -> jax.Array:
+        if kind == "ones":
+            return jnp.ones(shape, dt)
+        if kind == "zeros":
+            return jnp.zeros(shape, dt)
+        if kind == "a_log":
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dt)
+        if kind in ("conv", "router"):
+            bound = 1.0 / math.sqrt(shape[-1] if kind == "conv" else shape[-2])
+            return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dt)
+        return (cfg.initializer_range * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+
+    def make(slot: ParamSlot) -> jax.Array:
+        return leaf(jax.random.key(seed * 100003 + next(counter)), slot.shape, slot.leaf.init,
+                    jnp.dtype(slot.dtype(dtype)))
+
+    return build_tree(cfg, make)
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, default=lambda o: float(o) if isinstance(o, np.floating) else str(o)))
+    return p

@@ -1,0 +1,133 @@
+"""Decode benchmark: ms per step of the jitted decode loop against the HBM floor.
+
+    python3 bench/decode.py --out bench/results/decode_h200.json        # the GPU run
+    python3 bench/decode.py --smoke --out /tmp/decode_smoke.json        # CPU, debug preset, seconds
+
+A Ling-3.0-tiny-shaped model (all 24 layers, random bf16 weights generated on the device) decodes
+`--steps` tokens per row with `ling_jax.generate.decode_loop` (one `lax.while_loop`, greedy) at
+each batch size and context length. Caches are allocated once per batch size for the longest
+context and filled with random latents/states up to the context length (prefill is not timed):
+the decode attention walks only the used blocks, so the short context shares the allocation.
+
+HBM floor of one step = bytes that must move / measured copy bandwidth (bytes read + written of a
+bf16 elementwise pass, same run): every attention/dense/shared/router weight, the routed experts
+the batch touches (expected distinct experts per layer E·(1 - (1 - k/E)^B) under uniform routing),
+the lm_head, the MLA latent cache read up to the context, the KDA state read + written. Goal at
+batch 1: time <= 1.3x the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import copy_bandwidth, machine, random_params, write_json
+from ling_jax.cache import cache_shapes
+from ling_jax.config import LingConfig
+from ling_jax.generate import decode_loop
+from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
+
+
+def step_bytes(cfg: LingConfig, batch: int, ctx: int, itemsize: int = 2) -> dict[str, float]:
+    """Bytes one decode step must move (see the module docstring)."""
+    kinds = cfg.layer_kinds
+    e, k = cfg.num_experts or 0, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch) if e else 0.0
+    weights = 0.0
+    for mixer, ffn in kinds:
+        weights += kda_matmul_params(cfg) if mixer == "kda" else mla_matmul_params(cfg)
+        if ffn == "dense":
+            weights += ffn_matmul_params(cfg, "dense")
+        else:
+            d = cfg.hidden_size
+            weights += d * e + 3 * d * cfg.shared_intermediate_size + touched * 3 * d * cfg.moe_intermediate_size
+    weights += cfg.hidden_size * cfg.vocab_size  # lm_head
+    n_mla = sum(m == "mla" for m, _ in kinds)
+    n_kda = len(kinds) - n_mla
+    h, dh = cfg.num_attention_heads, cfg.head_dim
+    latent = n_mla * batch * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
+    state = n_kda * batch * h * dh * dh * 4 * 2
+    return {"weights": weights * itemsize, "latent_cache": float(latent), "kda_state": float(state),
+            "total": weights * itemsize + latent + state, "experts_touched_per_layer": touched}
+
+
+def random_cache(cfg: LingConfig, batch: int, slots: int, ctx: int, dtype) -> dict:
+    shapes = cache_shapes(cfg, batch, slots, dtype)
+
+    @jax.jit
+    def make(key):
+        leaves, tree = jax.tree.flatten(shapes)
+        keys = jax.random.split(key, len(leaves))
+        out = [jnp.full(s.shape, ctx, s.dtype) if s.dtype == jnp.int32
+               else (0.1 * jax.random.normal(kk, s.shape, jnp.float32)).astype(s.dtype)
+               for s, kk in zip(leaves, keys, strict=True)]
+        return jax.tree.unflatten(tree, out)
+
+    return make(jax.random.key(ctx))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="ling-3.0-tiny")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.preset, args.batches, args.contexts, args.steps, args.reps = "debug", [1, 4], [64, 300], 4, 1
+    cfg = LingConfig.preset(args.preset)
+    dtype = jnp.bfloat16
+    result = {**machine(), "preset": args.preset, "steps": args.steps, "dtype": "bfloat16", "runs": []}
+    bw = copy_bandwidth(0.25 if args.smoke else 2.0)
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(random_params(cfg, dtype))
+    print(f"random {args.preset} params: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+    stop = jnp.asarray([-2], jnp.int32)
+    zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
+    for b in args.batches:
+        slots = max(args.contexts) + args.steps
+        logits = jax.random.normal(jax.random.key(b), (b, cfg.vocab_size), jnp.float32)
+        for ctx in args.contexts:
+            times, compile_s = [], None
+            for rep in range(args.reps + 1):
+                cache = jax.block_until_ready(random_cache(cfg, b, slots, ctx, dtype))
+                t = time.perf_counter()
+                out, counts, _ = decode_loop(cfg, params, cache, logits, args.steps, jax.random.key(0),
+                                             zero, no_k, one, stop)
+                jax.block_until_ready(out)
+                dt = time.perf_counter() - t
+                if rep == 0:
+                    compile_s = dt
+                else:
+                    times.append(dt)
+                del cache
+            assert int(np.min(np.asarray(counts))) == args.steps
+            ms = 1e3 * float(np.median(times)) / args.steps
+            need = step_bytes(cfg, b, ctx)
+            floor_ms = 1e3 * need["total"] / bw
+            run = {"batch": b, "context": ctx, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms,
+                   "hbm_floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "bytes_per_step": need,
+                   "first_call_s_incl_compile": compile_s, "allocated_slots": slots}
+            result["runs"].append(run)
+            print(f"B={b:4d} ctx={ctx:6d}: {ms:8.3f} ms/step  {b * 1e3 / ms:10.1f} tok/s  floor {floor_ms:.3f} ms "
+                  f"({ms / floor_ms:.2f}x)  [first call {compile_s:.1f} s]", flush=True)
+            write_json(args.out, result)
+    print(f"wrote {write_json(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
