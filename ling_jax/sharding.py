@@ -40,13 +40,14 @@ AxisSpec = str | tuple[str, ...] | None
 # role -> one entry per dimension of the leaf (stack axes excluded) or of the activation.
 ROLES: dict[str, tuple[AxisSpec, ...]] = {
     # ---- params
-    "replicated": (),  # norms, router, expert_bias, o_norm: small, or needed whole by every token
+    "replicated": (),  # norms, expert_bias, o_norm: small, needed whole by every token
     "embed": ("fsdp", None),  # [V, D]: vocabulary rows over fsdp (GSPMD: masked local gather + all-reduce)
     "lm_head": ("fsdp", "tensor"),  # [D, V]: vocabulary-parallel logits
     "in_proj": ("fsdp", "tensor"),  # [D, X] column-parallel: KDA q/k/v/f/g/b, MLA q/g, MLP gate/up
     "out_proj": ("tensor", "fsdp"),  # [X, D] row-parallel: KDA o_proj, MLA dense, MLP down
     "lora_a": ("fsdp", None),  # [D, r] into a small rank: MLA q_a/kv_a, KDA f_a/g_a, MTP eh_proj
-    "lora_b": (None, "tensor"),  # [r, X] out of a small rank: MLA q_b/kv_b, KDA f_b/g_b
+    "lora_b": ("fsdp", "tensor"),  # [r, X] out of a small rank: MLA q_b/kv_b, KDA f_b/g_b
+    "router": ("fsdp", None),  # [D, E] fp32: FSDP-style, GSPMD gathers it for the logits matmul
     "head_vec": ("tensor",),  # per-head/per-channel vectors of KDA: A_log [H], dt_bias [P]
     "conv": ("tensor", None),  # KDA depthwise conv [P, W]
     "expert_in": ("expert", "fsdp", "tensor"),  # routed gate/up [E, D, I]
@@ -57,6 +58,10 @@ ROLES: dict[str, tuple[AxisSpec, ...]] = {
     "act_btv": (BATCH_AXES, None, "tensor"),  # logits [B, T, V]
     "act_nd": (BATCH_AXES, None),  # flattened tokens [N, D] (MoE dispatch)
     "act_nk": (BATCH_AXES, None),  # router choices/weights [N, k], logits [N, E]
+    # ---- decode caches (cache.py layouts)
+    "kda_state": (BATCH_AXES, "tensor", None, None),  # [B, H, K, V] f32: heads follow the KDA projections
+    "kda_conv": (BATCH_AXES, None, "tensor"),  # [B, W-1, 3P]
+    "mla_latent": (BATCH_AXES, None, None),  # [B, S, r + d_r]: one latent shared by all heads, not split
 }
 
 # leaf name (last element of a ParamSlot.path) -> role; expert leaves are told apart by `Leaf.experts`.
@@ -64,7 +69,7 @@ NAME_ROLES: dict[str, str] = {
     "embed": "embed", "lm_head": "lm_head",
     "input_norm": "replicated", "post_attn_norm": "replicated", "final_norm": "replicated",
     "enorm": "replicated", "hnorm": "replicated", "o_norm": "replicated", "q_a_norm": "replicated",
-    "kv_a_norm": "replicated", "router": "replicated", "expert_bias": "replicated",
+    "kv_a_norm": "replicated", "router": "router", "expert_bias": "replicated",
     "q_proj": "in_proj", "k_proj": "in_proj", "v_proj": "in_proj", "f_proj": "in_proj", "g_proj": "in_proj",
     "b_proj": "in_proj", "gate_proj": "in_proj", "up_proj": "in_proj",
     "shared_gate_proj": "in_proj", "shared_up_proj": "in_proj",

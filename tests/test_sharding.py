@@ -402,3 +402,29 @@ def test_two_processes_match_one(tmp_path):
             assert np.abs(got[name]).max() == 0, name
         else:
             assert rel_l2(got[name], want) <= 1e-5, name
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+
+def test_memory_plan_divides_params_by_the_table():
+    from ling_jax import memory
+
+    cfg = LingConfig.preset("ling-3.1-flash")
+    n = memory.param_count(cfg)
+    assert memory.param_bytes(cfg, {}, lambda s: 4.0) == 4.0 * n  # one device holds everything
+    # experts: [.., E, D, I] split 8 ways over `expert`; FP8 = 1 byte + a fp32 scale per 128x128 block
+    e_params = sum(int(np.prod(s.shape)) for s in param_slots(cfg) if s.leaf.experts)
+    got = memory.param_bytes(cfg, {"expert": 8}, memory.fp8_bytes(cfg), lambda s: s.leaf.experts)
+    assert got == pytest.approx(e_params / 8 * (1 + 4 / 128**2), rel=1e-12)
+    # tensor=8 splits the KDA projections too; the MLA latent cache is not split by heads
+    ep = memory.plan_inference(cfg, {"expert": 8}, batch=64, context=1024, hbm_gb=141)
+    tp = memory.plan_inference(cfg, {"tensor": 8}, batch=64, context=1024, hbm_gb=141)
+    rows_ep, rows_tp = ({r[0]: r[1] for r in p.rows} for p in (ep, tp))
+    assert rows_tp["other weights"] < rows_ep["other weights"] / 3
+    assert rows_tp["MLA latent cache"] == pytest.approx(8 * rows_ep["MLA latent cache"])
+    assert ep.total == pytest.approx(sum(rows_ep.values()))
+    train = memory.plan_training(LingConfig.preset("ling-3.0-tiny"), {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=141)
+    master = dict((r[0], r[1]) for r in train.rows)["fp32 master params"]
+    assert master == pytest.approx(4 * memory.param_count(LingConfig.preset("ling-3.0-tiny")) / 8, rel=0.01)
+    assert "fits" in train.markdown()
