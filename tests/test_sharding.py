@@ -172,6 +172,17 @@ def test_golden_grads_through_mesh(name):
     assert abs(float(out["loss_after"]) - float(ref["loss_after"])) <= 1e-5 * abs(float(ref["loss_after"]))
 
 
+@pytest.mark.heavy
+def test_generate_through_mesh(golden_a):
+    """Prefill + decode loop under a data x expert mesh: the golden greedy tokens (decode pads B=2 tokens to 8)."""
+    _, _, g = golden_a
+    mesh, cfg, sparams = sharded_golden("2x4")
+    prompts = [list(map(int, r)) for r in g["decode_prompt_ids"]]
+    with jax.set_mesh(mesh):
+        out = ling_jax.generate(cfg, sparams, prompts, max_new_tokens=g["decode_generated_ids"].shape[1])
+    assert out == g["decode_generated_ids"].tolist()
+
+
 # ----------------------------------------------------------------------------- one MoE layer
 
 
