@@ -145,6 +145,32 @@ def test_save_checkpoint_orbax_native(tmp_path, ck_float8):
     _assert_same_tensors(_export(ck, tmp_path / "hf"), FP8_SRC)
 
 
+def test_training_step_directory(tmp_path):
+    """A CheckpointManager step as train/ writes it (params inside a `state` item, config.json in the run
+    directory): load_checkpoint restores only the params; ling-export exports them."""
+    import orbax.checkpoint as ocp
+
+    from ling_jax.params import init_params
+
+    cfg = LingConfig.preset("debug")
+    params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
+    state = {"params": params, "opt_state": {"mu": jax.tree.map(jnp.zeros_like, params)}, "step": jnp.int32(7)}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_hf()))
+    with ocp.CheckpointManager(run / "checkpoints") as mgr:
+        mgr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"i": 7})))
+        mgr.wait_until_finished()
+    cfg2, loaded = load_checkpoint(run / "checkpoints" / "7", dtype="float32")
+    assert cfg2 == cfg
+    same = jax.tree.map(lambda a, b: a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b)), loaded,
+                        jax.tree.map(lambda a: a.astype(jnp.float32), params))
+    assert all(jax.tree.leaves(same))
+    out = _export(run / "checkpoints" / "7", tmp_path / "hf")
+    _, back = ling_jax.load_hf_checkpoint(out, dtype="bfloat16")
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), back, params)))
+
+
 # ---------------------------------------------------------------- interruption
 def _big_fp8_source(path: Path, num_layers: int) -> Path:
     cfg = scaled_config(num_layers, hidden=512, vocab=4096, experts=16, expert_width=512)
@@ -173,9 +199,18 @@ def test_sigkill_then_resume(tmp_path):
         load_checkpoint(out)
     with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
         load_checkpoint(partial_dir(out))
+    # a logged element whose chunk was lost (as after a machine crash) is found by the verification and rewritten
+    key, idx = next(line.split("\t")[:2] for line in log.read_text().splitlines() if line.split("\t")[1])
+    chunks = partial_dir(out) / "params" / key / "c"  # zarr3 chunk keys: c/<stack indices>/<element chunk>
+    lost = [f for f in chunks.rglob("*") if f.is_file() and f.relative_to(chunks).parts[:idx.count(",") + 1]
+            == tuple(idx.split(","))]
+    assert lost
+    for f in lost:
+        f.unlink()
     rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert f"{n_done} of " in rerun.stderr and "already converted" in rerun.stderr
+    assert "1 tensors read back with other bytes than logged; writing them again" in rerun.stderr
     assert not partial_dir(out).exists() and not (out / CONVERT_STATE).exists()
     cfg, params = load_checkpoint(out)
     _, ref = ling_jax.load_hf_checkpoint(src, dtype="bfloat16")
@@ -292,22 +327,25 @@ def test_mesh_restore_places_each_leaf(ck_float8):
 
 
 # ---------------------------------------------------------------- memory
+# VmHWM (peak RSS of this address space), not ru_maxrss, which Linux carries over from the forking parent
 RSS_SNIPPET = """
-import resource, sys
+import sys
 from ling_jax.checkpoint.convert import main
 rc = main(sys.argv[1:])
-print("MAXRSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print("MAXRSS", 1024 * next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 sys.exit(rc)
 """
 
 
 @pytest.mark.heavy
 def test_peak_rss_does_not_grow_with_model_size(tmp_path):
-    """Two FP8 models of 0.5 and 1.5 GB with the same largest tensor: the same, bounded peak RSS."""
+    """FP8 models of 1.0 and 2.8 GB with the same largest tensor (a 64 MB bf16 embedding), converted to
+    bfloat16 (the path with dequantization temporaries): the same peak RSS, under a stated bound."""
     peaks = {}
-    largest = 4096 * 512 * 2  # the bf16 embedding / head of `_big_fp8_source`
+    quant = QuantConfig(block_size=(128, 128), exclusions=LING_FP8_EXCLUSIONS)
+    largest = 32768 * 1024 * 2
     for layers in (8, 24):
-        src = _big_fp8_source(tmp_path / f"src{layers}", layers)
+        src = write_random_hf_checkpoint(scaled_config(layers), tmp_path / f"src{layers}", quantization=quant)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         r = subprocess.run([sys.executable, "-c", RSS_SNIPPET, "--hf-dir", str(src), "--out", str(tmp_path / "o"),
                             "--dtype", "bfloat16", "--quiet"], env=ENV, capture_output=True, text=True, timeout=900)
@@ -316,10 +354,11 @@ def test_peak_rss_does_not_grow_with_model_size(tmp_path):
         shutil.rmtree(tmp_path / "o")
         shutil.rmtree(src)
     (small, p_small), (big, p_big) = sorted(peaks.items())
+    print(f"peak RSS: {p_small / 1e6:.0f} MB for {small / 1e9:.2f} GB, {p_big / 1e6:.0f} MB for {big / 1e9:.2f} GB")
     assert big > 2.5 * small
-    bound = (400 << 20) + 16 * largest  # interpreter + JAX/Orbax/tensorstore imports, then a window of tensors
+    bound = (300 << 20) + 4 * largest  # interpreter + JAX/Orbax/tensorstore imports (~200 MB), then a few tensors
     assert p_small < bound and p_big < bound, peaks
-    assert p_big < 1.15 * p_small, peaks
+    assert p_big < p_small + largest / 2, peaks  # no growth with the model beyond noise
 
 
 def test_bfloat16_target_rounds_fp8_once(ck_fp8_as_bf16):

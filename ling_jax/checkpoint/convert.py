@@ -259,7 +259,17 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
         for w in writers.values():
             w.finalize()
         if verify:
-            _verify(tmp, cfg, leaves, work, done, show_progress)
+            reader = _reader(tmp, cfg, leaves)
+            bad = _mismatches(reader, work, done, show_progress)
+            if bad:  # e.g. chunks of a resumed run lost to a crash of the machine: write them again
+                say(f"{len(bad)} tensors read back with other bytes than logged; writing them again")
+                _stream(src, bad, stores, state / "progress.log", done, total=sum(w.nbytes for w in bad), initial=0,
+                        show=show_progress)
+                bad = _mismatches(_reader(tmp, cfg, leaves), bad, done, show_progress)
+                if bad:
+                    raise CheckpointError(f"verify: {bad[0].leaf.key}{list(bad[0].idx)} (from {bad[0].name}) reads "
+                                          f"back with other bytes than were written ({len(bad)} tensors)")
+            _check_orbax_view(tmp, leaves)
         write_step_metadata(tmp, writers, init_ns)
         write_text_atomic(tmp / CONFIG, json.dumps(cfg.to_hf(), indent=2) + "\n")
         stored = {lp.dtype.name for lp in leaves if not lp.slot.leaf.fp32}
@@ -316,30 +326,41 @@ def _stream(src: HFSource, todo: list[Work], stores: dict[str, Any], log_path: P
             retire()
 
 
-def _verify(tmp: Path, cfg: LingConfig, leaves: list[LeafPlan], work: list[Work], done: dict[str, tuple[int, int]],
-            show: bool) -> None:
-    """Reads every element back through Orbax's read spec and compares checksums; checks Orbax's view.
-
-    Runs on the finalized items of `tmp` (their `_METADATA` written), before the commit.
-    """
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
-
+def _reader(tmp: Path, cfg: LingConfig, leaves: list[LeafPlan]) -> CheckpointReader:
+    """Reads the finalized items of `tmp` (their `_METADATA` written) before the commit."""
     from ling_jax.checkpoint.orbax_io import Checkpoint
 
     manifest = {"fp8_blocks": {lp.key: list(lp.fp8_block) for lp in leaves if lp.fp8_block}}
     scales = tmp / SCALES if manifest["fp8_blocks"] else None
     reader = CheckpointReader(Checkpoint(tmp, cfg, manifest, tmp / PARAMS, (), scales))
     reader.check([lp.slot for lp in leaves])
+    return reader
+
+
+def _mismatches(reader: CheckpointReader, work: list[Work], done: dict[str, tuple[int, int]], show: bool
+                ) -> list[Work]:
+    """The elements whose bytes, read back through Orbax's read spec, differ from what was written."""
+    from tqdm import tqdm
+
+    bad = []
     with tqdm(total=sum(w.out_bytes for w in work), unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
               disable=not show, file=sys.stderr) as bar:
         for w in work:
-            got_w = _crc(reader.element(w.leaf.slot, w.idx))
-            got_s = _crc(reader.scale(w.leaf.slot, w.idx)) if w.leaf.fp8_block else -1
-            if (got_w, got_s) != done[w.log_key]:
-                raise CheckpointError(f"verify: {w.leaf.key}{list(w.idx)} (from {w.name}) reads back with other "
-                                      "bytes than were written")
+            try:
+                got = (_crc(reader.element(w.leaf.slot, w.idx)),
+                       _crc(reader.scale(w.leaf.slot, w.idx)) if w.leaf.fp8_block else -1)
+            except ValueError:  # tensorstore: a chunk that is missing or unreadable
+                got = None
+            if got != done.get(w.log_key):
+                bad.append(w)
             bar.update(w.out_bytes)
+    return bad
+
+
+def _check_orbax_view(tmp: Path, leaves: list[LeafPlan]) -> None:
+    """Orbax's own metadata reader sees every leaf with its shape and dtype."""
+    import orbax.checkpoint as ocp
+
     with ocp.PyTreeCheckpointer() as ck:
         meta = ck.metadata(tmp / PARAMS)
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
@@ -363,6 +384,24 @@ def cpu_only() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def limit_malloc_arenas(n: int = 2) -> None:
+    """Caps glibc's malloc arenas (process-wide, so only the command-line tools call it).
+
+    Tensorstore writes from many I/O threads; with glibc's default of up to 8 arenas per core,
+    each keeps freed tensor-sized blocks resident, and the peak RSS then grows with the number of
+    tensors (measured: 577 MB for a 1 GB model, 696 MB for 2.8 GB). With 2 arenas it is flat
+    (399 / 403 MB). No-op where glibc's `mallopt` is unavailable.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, n)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 KNOWN_ERRORS = (CheckpointError, ConfigError, ValueError, OSError)
 
 
@@ -381,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     cpu_only()
+    limit_malloc_arenas()
     try:
         out = convert_hf_to_orbax(args.hf_dir, args.out, dtype=args.dtype, show_progress=not args.quiet,
                                   compress=args.compress, verify=not args.no_verify)

@@ -303,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", type=parse_size, default="4GiB", help="per file (default: 4GiB)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from ling_jax.checkpoint.convert import KNOWN_ERRORS, cpu_only
+    from ling_jax.checkpoint.convert import KNOWN_ERRORS, cpu_only, limit_malloc_arenas
 
     cpu_only()
+    limit_malloc_arenas()
     try:
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                 show_progress=not args.quiet)
