@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -64,6 +65,19 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def _disk_write_rate(work: Path, nbytes: int = 512 << 20) -> float:
+    """GB/s of one sequential fsynced write of random bytes: the ceiling for writing a checkpoint here."""
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    t = time.perf_counter()
+    with open(work / "disk-probe", "wb") as f:
+        f.write(data.data)
+        f.flush()
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t
+    (work / "disk-probe").unlink()
+    return nbytes / 1e9 / secs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 24], help="model sizes (number of layers)")
@@ -73,6 +87,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ling-convert-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     quant = QuantConfig(block_size=(128, 128), exclusions=LING_FP8_EXCLUSIONS)
+    disk = _disk_write_rate(work)
     rows = []
     for layers in args.layers:
         cfg = scaled_config(layers)
@@ -112,6 +127,7 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "processor": platform.processor(),
+                   "disk_write_GB_per_s": disk,
                    "note": "host CPU and local disk only; GB/s = source bytes / wall time of the call"},
         "versions": {"python": platform.python_version(), **{p: version(p) for p in
                                                                ("jax", "orbax-checkpoint", "tensorstore", "numpy")}},
