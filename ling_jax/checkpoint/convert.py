@@ -182,24 +182,28 @@ def _read_log(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def _prepare_partial(tmp: Path, fingerprint: dict[str, Any], log: Callable[[str], None]) -> Any:
-    """Creates or reopens `<out>.partial` for this exact job; returns the held lock file."""
+    """Creates or reopens `<out>.partial` for this exact job, under an exclusive lock; returns the lock.
+
+    A partial directory left by a conversion of other inputs or options is emptied first.
+    """
     state = tmp / CONVERT_STATE
-    if tmp.exists():
-        try:
-            same = json.loads((state / "state.json").read_text()) == fingerprint
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if not same:
-            log(f"discarding {tmp}: it holds an earlier conversion of other inputs or options")
-            shutil.rmtree(tmp)
     state.mkdir(parents=True, exist_ok=True)
-    lock = open(state / "lock", "w")  # noqa: SIM115 (held until the conversion ends)
+    lock = open(state / "lock", "a")  # noqa: SIM115 (held until the conversion ends)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
         raise CheckpointError(f"{tmp} is being written by another ling-convert") from None
-    if not (state / "state.json").is_file():
+    try:
+        same = json.loads((state / "state.json").read_text()) == fingerprint
+    except (OSError, json.JSONDecodeError):
+        same = False
+    if not same:
+        stale = [f for f in (*tmp.iterdir(), *state.iterdir()) if f not in (state, state / "lock")]
+        if stale:
+            log(f"discarding the contents of {tmp}: an earlier conversion of other inputs or options")
+        for f in stale:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
         write_text_atomic(state / "state.json", json.dumps(fingerprint))
     return lock
 

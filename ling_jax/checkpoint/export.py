@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.checkpoint import fp8
-from ling_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir, write_safetensors_stream
+from ling_jax.checkpoint.safetensors_io import SafetensorsDir, write_safetensors_stream
 from ling_jax.config import ConfigError, LingConfig, QuantConfig
 from ling_jax.params import Leaf, Params, ParamSlot, get_path, param_slots
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                 show_progress=not args.quiet)
-    except (*KNOWN_ERRORS, CheckpointError) as e:
+    except KNOWN_ERRORS as e:
         print(f"ling-export: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
