@@ -22,7 +22,7 @@ import numpy as np
 from ling_jax.config import LingConfig, Mixer
 
 Cache = dict[str, Any]
-LATENT_BLOCK = 256  # the latent cache length is allocated in multiples of this (decode attention block)
+LATENT_BLOCK = 1024  # the latent cache length is allocated in multiples of this (decode attention block)
 
 
 def cache_length(max_len: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 from conftest import rel_l2
 
 import ling_jax
-from ling_jax.cache import cache_bytes, cache_shapes, nbytes
+from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_step, generate, prefill
 from ling_jax.layers.mla import mla_decode, mla_mixer
@@ -67,12 +67,12 @@ def test_absorbed_equals_expanded_attention(debug_model):
     """The latent-cache (absorbed) attention of the last token == the expanded K/V attention."""
     cfg, params = debug_model
     p = layer_params(cfg, params, 2)["attn"]  # an MLA layer
-    t = 300  # more than one 256-slot cache block
+    t = 300
     x = jax.random.normal(jax.random.key(1), (2, t, cfg.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(t), (2, t))
     cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
     want, cache = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=attention_mask(pos, pos))
-    latent = jnp.zeros((2, 512, cache["latent"].shape[-1])).at[:, : t - 1].set(cache["latent"][:, :-1])
+    latent = jnp.zeros((2, cache_length(t), cache["latent"].shape[-1])).at[:, : t - 1].set(cache["latent"][:, :-1])
     got, row = mla_decode(p, x[:, -1], latent, jnp.full((2,), t - 1), cfg=cfg, cos=cos[:, -1:], sin=sin[:, -1:])
     assert rel_l2(got, want[:, -1]) < 1e-5
     np.testing.assert_allclose(row, cache["latent"][:, -1], rtol=1e-6, atol=1e-6)
@@ -126,3 +126,21 @@ def test_cache_size_ling31_flash():
     assert nbytes(cache_shapes(cfg, 1, 8192)) - nbytes(shapes) == 4096 * per_token
     expanded = 9 * 64 * (192 + 128) * 2  # the reference's per-head K and V
     assert expanded / per_token == pytest.approx(35.56, abs=0.01)
+
+
+def test_latent_attention_blocks_and_lengths():
+    """The blocked online softmax over the latent cache == a plain softmax over each row's visible
+    rows plus the new one, for lengths spanning several blocks (and a block never reached)."""
+    from ling_jax.ops.mla_decode import latent_attention
+
+    rng = np.random.default_rng(4)
+    b, h, w, r, s = 3, 2, 12, 8, 64
+    q = jnp.asarray(rng.standard_normal((b, h, w)), jnp.float32)
+    cache = jnp.asarray(rng.standard_normal((b, s, w)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((b, w)), jnp.float32)
+    lengths = jnp.asarray([0, 17, 40])
+    got = latent_attention(q, cache, lengths, new, rank=r, scale=0.3, block=16)
+    for i, n in enumerate([0, 17, 40]):
+        rows = np.concatenate([np.asarray(cache[i, :n]), np.asarray(new[i])[None]])
+        p = jax.nn.softmax(0.3 * np.asarray(q[i]) @ rows.T, axis=-1)
+        np.testing.assert_allclose(got[i], p @ rows[:, :r], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,10 @@ Both sort the token copies by expert and run one grouped matmul per projection o
           off-TPU (tests).
   dense   every expert on every token, then a gather: the reference the others are tested
           against (tiny shapes only).
-  auto    mgpu on an sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
+  gather  each token copy multiplies its own expert's gathered weights: reads only the chosen
+          experts, no sort, no grouped-matmul launch — for decode-sized batches.
+  auto    gather when there are at most GATHER_MAX_COPIES token copies (decode), else mgpu on an
+          sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
 Every grouped matmul here has `jax.lax.ragged_dot`'s semantics, including rows past
 `sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are masked);
@@ -34,7 +37,8 @@ import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
 
-IMPLS = ("auto", "ragged", "dense", "mgpu", "gmm")
+IMPLS = ("auto", "ragged", "dense", "gather", "mgpu", "gmm")
+GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
 
 # Mosaic-GPU tiles (toolchain.md §8: 171 TFLOP/s on an H200 with these); megablox tiles.
@@ -47,12 +51,15 @@ def _is_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def resolve_impl(impl: str, dtype: jnp.dtype) -> str:
-    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`."""
+def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None) -> str:
+    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`
+    and `copies` token copies (N * k) per call."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
     if impl != "auto":
         return impl
+    if copies is not None and copies <= GATHER_MAX_COPIES:
+        return "gather"
     backend = jax.default_backend()
     if backend == "tpu":
         return "gmm"
@@ -235,9 +242,16 @@ def routed_partial(
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
-    impl = resolve_impl(impl, x_ND.dtype)
+    impl = resolve_impl(impl, x_ND.dtype, n * k)
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
+    if impl == "gather":
+        dt = x_ND.dtype
+        sel_NK = jnp.where(is_local_NK, local_NK, 0)
+        g_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_gate_LDI[sel_NK].astype(dt))
+        u_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_up_LDI[sel_NK].astype(dt))
+        y_NKD = jnp.einsum("nki,nkid->nkd", swiglu_act(g_NKI, u_NKI, limit), w_down_LID[sel_NK].astype(dt))
+        return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
     if impl == "dense":
         dt = x_ND.dtype
         g = jnp.einsum("nd,edi->nei", x_ND, w_gate_LDI.astype(dt))
