@@ -206,7 +206,9 @@ def _rematted(fn: Callable, remat: str) -> Callable:
 
 
 def _expert_counts(cfg: LingConfig, aux: dict[str, jax.Array]) -> jax.Array:
-    """Tokens routed to each expert [E] (int32) from a MoE layer's router aux."""
+    """Tokens routed to each expert [E] (int32, global over the batch) from a MoE layer's router aux."""
+    if "expert_counts" in aux:
+        return aux["expert_counts"]
     return jnp.bincount(aux["topk_idx"].reshape(-1), length=cfg.num_experts).astype(jnp.int32)
 
 

@@ -223,3 +223,26 @@ def test_bad_input(tmp_path, capsys, case, msg):
                "--batch-size", "1", "--seq-len", seq])
     err = capsys.readouterr().err
     assert rc == 2 and msg in err, err
+
+
+@pytest.mark.heavy
+def test_cli_under_a_data_expert_mesh_matches_one_device(tmp_path):
+    """ling-train with mesh {data: 2, expert: 4} on 8 simulated devices (MoE experts dispatched over
+    the expert axis, batch rows over data x expert) gives the single-device losses."""
+    data = tmp_path / "corpus.bin"
+    corpus(100).tofile(data)
+    losses = []
+    for name, mesh in (("one", {}), ("mesh", {"data": 2, "expert": 4})):
+        cfg_file = tmp_path / f"{name}.json"
+        cfg_file.write_text(json.dumps({**TCFG, "batch_size": 8, "seq_len": 32, "mesh": mesh}))
+        env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out",
+             str(tmp_path / name), "--steps", "2", "--config", str(cfg_file)],
+            env={**env, "JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
+            capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=1200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        losses.append(_losses(tmp_path / name))
+    assert losses[0].keys() == losses[1].keys() == {1, 2}
+    for step in (1, 2):
+        assert abs(losses[0][step] - losses[1][step]) < 1e-4 * abs(losses[0][step]), losses

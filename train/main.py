@@ -13,6 +13,7 @@ progress line; metrics are read one step late so the device never waits for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -76,21 +77,20 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from ling_jax import distributed
     from ling_jax.config import LingConfig
     from ling_jax.params import build_tree, default_sharding
+    from ling_jax.sharding import batch_sharding, make_mesh
     from train.checkpointing import RunCheckpoints
     from train.data import PackedBatches, load_tokens
     from train.flops import peak_flops_per_device, train_flops_per_token
     from train.optim import make_optimizer
     from train.step import make_train_step, mtp_weight
 
+    distributed.initialize()  # joins a multi-process job when one is configured; else nothing
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = None
-    if tcfg.mesh:
-        from ling_jax.sharding import make_mesh
-
-        mesh = make_mesh(**tcfg.mesh)
+    mesh = make_mesh(**tcfg.mesh) if tcfg.mesh else None
     ckpts = RunCheckpoints(out, keep=tcfg.keep_checkpoints)
     resume = ckpts.latest_step()
     if resume is None:
@@ -135,11 +135,12 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     meta = {"train_config": tcfg.to_json(), "model": cfg.to_hf()}
 
     def put(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Every process draws the same global batch; it hands JAX only the rows its devices hold."""
         if mesh is None:
             return jax.device_put(batch)
-        from ling_jax.sharding import batch_sharding
-
-        return jax.device_put(batch, batch_sharding(mesh, batch["inputs"].shape))
+        shape = batch["inputs"].shape
+        rows = distributed.local_rows(batch_sharding(mesh, shape), shape)
+        return distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh, shape[0])
 
     def save(it: int) -> None:
         ckpts.save(it, state, batches.state(), {**meta, "iteration": it})
@@ -163,33 +164,35 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     pending: tuple[int, Any, float] | None = None
     bad = 0
     it = start
-    try:
-        while it < tcfg.steps:
-            batch = put(next(batches))
-            t0 = time.perf_counter()
-            state, metrics = step_fn(state, batch)
-            it += 1
-            metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
-            if pending is not None:  # read the previous step's metrics while this one runs
+    # under the mesh, the MoE layers dispatch experts across the `expert` axis (layers/moe.py)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        try:
+            while it < tcfg.steps:
+                batch = put(next(batches))
+                t0 = time.perf_counter()
+                state, metrics = step_fn(state, batch)
+                it += 1
+                metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
+                if pending is not None:  # read the previous step's metrics while this one runs
+                    p_it, p_m, p_t0 = pending
+                    p_m = jax.device_get(p_m)
+                    report(p_it, p_m, t0 - p_t0)
+                    bad = 0 if p_m["finite"] else bad + 1
+                pending = (it, metrics, t0)
+                if bad >= tcfg.max_bad_steps:
+                    print(f"ling-train: stopping after {bad} consecutive non-finite steps", file=sys.stderr)
+                    break
+                if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
+                    save(it)
+            if pending is not None:
                 p_it, p_m, p_t0 = pending
                 p_m = jax.device_get(p_m)
-                report(p_it, p_m, t0 - p_t0)
+                report(p_it, p_m, time.perf_counter() - p_t0)
                 bad = 0 if p_m["finite"] else bad + 1
-            pending = (it, metrics, t0)
-            if bad >= tcfg.max_bad_steps:
-                print(f"ling-train: stopping after {bad} consecutive non-finite steps", file=sys.stderr)
-                break
-            if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
-                save(it)
-        if pending is not None:
-            p_it, p_m, p_t0 = pending
-            p_m = jax.device_get(p_m)
-            report(p_it, p_m, time.perf_counter() - p_t0)
-            bad = 0 if p_m["finite"] else bad + 1
-    finally:
-        save(it)
-        ckpts.wait()
-        ckpts.close()
+        finally:
+            save(it)
+            ckpts.wait()
+            ckpts.close()
     print(f"saved {out / 'checkpoints'} at step {it}")
     return 1 if bad >= tcfg.max_bad_steps else 0
 
