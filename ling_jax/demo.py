@@ -1,9 +1,13 @@
-"""`ling-demo`: the main job on an embedded default, for a fresh machine.
+"""`ling-demo`: the main job, end to end, on an embedded default (no download needed).
 
-Builds a tiny random Ling-3 checkpoint on disk in the real Hugging Face layout (sharded
-safetensors + index + config.json, the `debug` preset), loads it back through
-`load_hf_checkpoint`, runs a jitted forward pass, then batch generation (jitted prefill +
-decode loop over the latent/state caches), and prints what it did.
+1. builds a tiny random Ling-3 checkpoint (the `debug` preset) on disk in the real Hugging Face
+   block-FP8 layout (sharded safetensors with `weight_scale_inv`, index, config.json);
+2. loads it through `load_hf_checkpoint` (FP8 dequantized) and runs a jitted forward pass;
+3. converts it with `ling-convert` (HF FP8 -> our Orbax checkpoint, bfloat16);
+4. loads the Orbax checkpoint with `load_checkpoint` and generates for a batch of prompts
+   (jitted prefill + decode loop over the latent/state caches);
+5. runs a few `ling-train` steps from that checkpoint on a small synthetic corpus;
+printing what each step did.
 """
 
 from __future__ import annotations
@@ -16,19 +20,20 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ling-demo", description=__doc__.split("\n\n")[1])
-    ap.add_argument("--out", default="runs/demo", help="working directory (default: runs/demo)")
+    ap = argparse.ArgumentParser(prog="ling-demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/demo", help="working directory (default: runs/demo; recreated)")
     ap.add_argument("--preset", default="debug", help="config preset of the random model (default: debug)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=4)
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import ling_jax
+    from ling_jax.checkpoint.convert import convert_hf_to_orbax
     from ling_jax.checkpoint.export import save_hf_checkpoint
-    from ling_jax.config import ConfigError
+    from ling_jax.config import ConfigError, QuantConfig
     from ling_jax.params import init_params
 
     try:
@@ -37,35 +42,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ling-demo: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    hf_dir = out / "hf"
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    print(f"[1/4] random {args.preset} model: {cfg.num_hidden_layers} layers "
-          f"({sum(m == 'kda' for m, _ in cfg.layer_kinds)} KDA, {sum(m == 'mla' for m, _ in cfg.layer_kinds)} MLA), "
-          f"{cfg.num_experts} experts, {cfg.num_nextn_predict_layers} MTP layer(s) -> {hf_dir}")
-    params = init_params(cfg, seed=args.seed, dtype=jnp.float32)
-    save_hf_checkpoint(cfg, params, hf_dir, dtype="bfloat16", max_shard_bytes=256 << 10)
+    shutil.rmtree(out, ignore_errors=True)
+    hf_dir, orbax_dir = out / "hf-fp8", out / "orbax"
+    n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds)
+    print(f"[1/5] random {args.preset} model: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
+          f"{n_mla} MLA), {cfg.num_experts} experts, {cfg.num_nextn_predict_layers} MTP layer(s) -> {hf_dir}")
+    quant = QuantConfig(block_size=(32, 32), exclusions=("lm_head", "word_embeddings", "gate", "b_proj"))
+    save_hf_checkpoint(cfg, init_params(cfg, seed=args.seed), hf_dir, quantization=quant, max_shard_bytes=256 << 10)
     files = sorted(p.name for p in hf_dir.iterdir())
-    print(f"      wrote {len(files)} files: {', '.join(files[:3])}, ...")
+    print(f"      block-FP8 (32x32 scales), {len(files)} files: {', '.join(files[:2])}, ..., {files[-1]}")
 
     t0 = time.perf_counter()
     cfg, params = ling_jax.load_hf_checkpoint(hf_dir, dtype="bfloat16")
-    n = sum(x.size for x in jax.tree.leaves(params))
-    print(f"[2/4] loaded {n:,} params through load_hf_checkpoint in {time.perf_counter() - t0:.2f} s")
-
     ids = jax.random.randint(jax.random.key(args.seed), (2, 32), 0, cfg.vocab_size)
-    t0 = time.perf_counter()
     logits = jax.block_until_ready(ling_jax.forward(cfg, params, ids))
-    t1 = time.perf_counter()
-    jax.block_until_ready(ling_jax.forward(cfg, params, ids))
-    t2 = time.perf_counter()
-    top = np.asarray(jnp.argmax(logits[:, -1], -1))
-    print(f"[3/4] forward {tuple(ids.shape)} -> logits {tuple(logits.shape)} {logits.dtype} on "
-          f"{jax.devices()[0].platform}: compile+run {t1 - t0:.2f} s, run {1e3 * (t2 - t1):.1f} ms; "
-          f"next-token argmax per row {top.tolist()}")
+    print(f"[2/5] load_hf_checkpoint ({sum(x.size for x in jax.tree.leaves(params)):,} params, FP8 dequantized) "
+          f"+ forward {tuple(ids.shape)} -> {tuple(logits.shape)} {logits.dtype} on {jax.devices()[0].platform} "
+          f"in {time.perf_counter() - t0:.1f} s (compilation included)")
     if not np.isfinite(np.asarray(logits)).all():
         print("ling-demo: non-finite logits", file=sys.stderr)
         return 1
 
+    t0 = time.perf_counter()
+    convert_hf_to_orbax(hf_dir, orbax_dir, dtype="bfloat16")
+    print(f"[3/5] ling-convert {hf_dir} -> {orbax_dir} (bfloat16) in {time.perf_counter() - t0:.1f} s")
+
+    cfg, params = ling_jax.load_checkpoint(orbax_dir)
     prompts = [ids[0, :20].tolist(), ids[1, :7].tolist(), ids[1, 7:19].tolist()]
     kw = dict(max_new_tokens=16, stop_tokens=())
     t0 = time.perf_counter()
@@ -73,11 +75,24 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     outs = ling_jax.generate(cfg, params, prompts, **kw)
     t2 = time.perf_counter()
-    print(f"[4/4] generate: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, greedy, "
-          f"{sum(map(len, outs))} new tokens in {1e3 * (t2 - t1):.0f} ms warm ({t1 - t0:.2f} s with compilation)")
+    print(f"[4/5] load_checkpoint + generate: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, greedy, "
+          f"{sum(map(len, outs))} new tokens in {1e3 * (t2 - t1):.0f} ms warm ({t1 - t0:.1f} s with compilation)")
     for i, o in enumerate(outs):
         print(f"      [{i}] {o}")
-    return 0
+
+    from train.main import main as train_main
+
+    rng = np.random.default_rng(args.seed)  # documents counting up mod 64, each ended by eos
+    eos = cfg.eos_token_id[0]
+    docs = [[2 + (int(s) + i) % 64 for i in range(int(n))] + [eos]
+            for s, n in zip(rng.integers(0, 64, 200), rng.integers(6, 30, 200), strict=True)]
+    corpus = out / "corpus.bin"
+    np.asarray([t for d in docs for t in d], np.uint32).tofile(corpus)
+    print(f"[5/5] ling-train --init orbax:{orbax_dir} on {corpus} ({corpus.stat().st_size // 4:,} tokens), "
+          f"{args.train_steps} steps")
+    rc = train_main(["--init", f"orbax:{orbax_dir}", "--data", str(corpus), "--out", str(out / "train"),
+                     "--steps", str(args.train_steps), "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3"])
+    return rc
 
 
 if __name__ == "__main__":
