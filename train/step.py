@@ -135,7 +135,7 @@ def make_train_step(cfg: LingConfig, tcfg: TrainConfig, optimizer: optax.Gradien
         init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), jnp.float32(0.0),
                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_counts))
         (grads, ce, mtp_ce, counts), _ = jax.lax.scan(accumulate, init, micro)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         loss = ce / n_tok
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & jnp.isfinite(mtp_ce)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
