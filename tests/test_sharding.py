@@ -439,3 +439,18 @@ def test_memory_plan_divides_params_by_the_table():
     master = dict((r[0], r[1]) for r in train.rows)["fp32 master params"]
     assert master == pytest.approx(4 * memory.param_count(LingConfig.preset("ling-3.0-tiny")) / 8, rel=0.01)
     assert "fits" in train.markdown()
+
+
+@pytest.mark.heavy
+def test_pallas_kda_under_a_mesh(golden_a):
+    """The Pallas KDA kernels (interpret mode here) run per shard under a data x expert x tensor mesh
+    (layers/kda.py wraps them in a shard_map: batch rows over the token axes, heads over tensor)."""
+    import dataclasses
+
+    cfg, _, g = golden_a
+    cfg = dataclasses.replace(cfg, kda_impl="pallas")
+    ids = jnp.asarray(g["prefill_input_ids"])
+    mesh, _, sparams = sharded_golden("2x2x2")
+    with jax.set_mesh(mesh):
+        logits = ling_jax.forward(cfg, sparams, ids)
+    assert rel_l2(logits, g["prefill_logits"]) <= 1e-5

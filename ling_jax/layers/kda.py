@@ -12,12 +12,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
+from ling_jax.ops.kda.api import resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+from ling_jax.sharding import BATCH_AXES, axis_sizes, context_mesh, fit_spec
 
 
 def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
@@ -47,6 +50,40 @@ def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
     else:
         window = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, w - 1, axis=0))(ext_BXP, end_B)
     return jax.nn.silu(out_BTP).astype(a_BTP.dtype), window
+
+
+# dims of each kimi_delta_attention argument: "b" batch, "h" heads, None unsharded
+_KDA_DIMS = {"q": "b.h.", "k": "b.h.", "v": "b.h.", "g": "b.h.", "beta": "b.h", "initial_state": "bh..",
+             "segment_ids": "b.", "a_log": "h", "dt_bias": "h."}
+
+
+def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tuple[jax.Array, jax.Array]:
+    """`kimi_delta_attention` on `args`; under a multi-device context mesh with the Pallas kernels
+    (which GSPMD cannot partition), one `shard_map` runs them per shard: batch rows over the token
+    axes, heads over `tensor` (the layouts the sharding table gives these activations)."""
+    args = {k: v for k, v in args.items() if v is not None}
+    lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
+    if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
+        args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)
+    mesh = context_mesh()
+
+    def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if "dt_bias" in a:
+            a["dt_bias"] = a["dt_bias"].reshape(-1)
+        return kimi_delta_attention(scale=scale, impl=cfg.kda_impl, use_qk_l2norm=True, lower_bound=lower_bound,
+                                    **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
+                                    **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})
+
+    if mesh is None or mesh.size == 1 or resolve_impl(cfg.kda_impl) != "pallas":
+        return op(**args)
+    sizes = axis_sizes(mesh)
+    b, h = args["q"].shape[0], args["q"].shape[2]
+    bax = fit_spec((b,), (BATCH_AXES,), sizes)[0]
+    hax = fit_spec((h,), ("tensor",), sizes)[0]
+    specs = {k: P(*({"b": bax, "h": hax}.get(c) for c in _KDA_DIMS[k])) for k in args}
+    fn = jax.shard_map(lambda a: op(**a), mesh=mesh, in_specs=(specs,),
+                       out_specs=(P(bax, None, hax, None), P(bax, hax, None, None)), check_vma=False)
+    return fn(args)
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
@@ -89,11 +126,10 @@ def kda_mixer(
                                        g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
         o_BTHV = o_BHV[:, None]
     else:
-        o_BTHV, state = kimi_delta_attention(
-            q_BTHK, k_BTHK, v_BTHV, f_BTHK, beta_BTH, scale=dh**-0.5,
-            initial_state=None if cache is None else cache["state"], impl=cfg.kda_impl,
-            segment_ids=segment_ids, use_qk_l2norm=True, **gate_kw,
-        )
+        o_BTHV, state = _sharded_kda(
+            dict(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH,
+                 initial_state=None if cache is None else cache["state"], segment_ids=segment_ids, **gate_kw),
+            cfg=cfg, scale=dh**-0.5)
     z_BTHV = _proj(x_BTD, p, "g").reshape(b, t, h, dh)
     o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
     out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)
