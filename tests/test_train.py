@@ -125,9 +125,7 @@ def test_resume_after_sigkill_is_exact(tmp_path):
 
 
 def test_gradients_match_reference_paths():
-    """jax.grad through the chunked KDA path == through the token-by-token reference (MoE model), and
-    the gradient of a dense-FFN model agrees with a central finite difference along a random
-    direction (top-k routing is piecewise constant, so finite differences need a dense model)."""
+    """jax.grad of the full MoE model through the chunked KDA path == through the token-by-token reference."""
     shape = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)
     tcfg = TrainConfig(batch_size=2, seq_len=24, compute_dtype="float32", remat="none", mtp_loss_weight=0.3)
     batch = jax.device_put(next(PackedBatches(corpus(40), seq_len=24, batch_size=2, eos_id=1)))
@@ -143,6 +141,19 @@ def test_gradients_match_reference_paths():
     assert rel_l2(*flat) < 1e-5
     kda = g_chunk["segments"][0]["kda"]["attn"]
     assert float(jnp.abs(kda["A_log"]).max()) > 0 and float(jnp.abs(kda["q_conv"]).max()) > 0
+
+
+@pytest.mark.heavy
+def test_gradients_match_finite_differences():
+    """The gradient of a dense-FFN model agrees with a central finite difference along a random
+    direction (top-k routing is piecewise constant, so finite differences need a dense model)."""
+    shape = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)
+    tcfg = TrainConfig(batch_size=2, seq_len=24, compute_dtype="float32", remat="none", mtp_loss_weight=0.3)
+    batch = jax.device_put(next(PackedBatches(corpus(40), seq_len=24, batch_size=2, eos_id=1)))
+
+    def loss(p, cfg):
+        ce, mtp, _ = loss_terms(cfg, tcfg, p, batch)
+        return ce + 0.3 * mtp
 
     dense = LingConfig.preset("debug", **shape, num_experts=None)
     params = init_params(dense, seed=1)
