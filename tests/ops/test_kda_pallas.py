@@ -76,7 +76,8 @@ def awkward_segments(b: int, t: int) -> jnp.ndarray:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t", [1, 63, 64, 65])
+@pytest.mark.parametrize("t", [1, pytest.param(63, marks=pytest.mark.heavy),
+                               pytest.param(64, marks=pytest.mark.heavy), 65])
 def test_forward_lengths_fp32(t):
     x = make_inputs(t, 2, t, 2, 32, 32)
     segs = awkward_segments(2, t) if t > 1 else None
@@ -164,8 +165,8 @@ def _grads(fn, x, segs, states: bool, seed: int):
     ("t", "dtype", "tol", "states", "backend"),
     [
         (65, jnp.float32, 3e-5, True, None),
-        (63, jnp.bfloat16, 3e-2, False, None),
-        (65, jnp.float32, 3e-5, True, "tpu"),
+        pytest.param(63, jnp.bfloat16, 3e-2, False, None, marks=pytest.mark.heavy),
+        pytest.param(65, jnp.float32, 3e-5, True, "tpu", marks=pytest.mark.heavy),
     ],
 )
 def test_gradients_match_reference(t, dtype, tol, states, backend):
