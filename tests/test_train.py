@@ -124,19 +124,22 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), pa, pb)
 
 
-def test_gradients_match_reference_paths():
-    """jax.grad of the full MoE model through the chunked KDA path == through the token-by-token reference."""
-    shape = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)
+GRAD_SHAPE = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)  # 1 KDA + 1 MLA layer
+
+
+def grad_loss(p, cfg):
+    """Main + weighted MTP cross-entropy of one fixed packed batch (the gradient tests' loss)."""
     tcfg = TrainConfig(batch_size=2, seq_len=24, compute_dtype="float32", remat="none", mtp_loss_weight=0.3)
     batch = jax.device_put(next(PackedBatches(corpus(40), seq_len=24, batch_size=2, eos_id=1)))
+    ce, mtp, _ = loss_terms(cfg, tcfg, p, batch)
+    return ce + 0.3 * mtp
 
-    def loss(p, cfg):
-        ce, mtp, _ = loss_terms(cfg, tcfg, p, batch)
-        return ce + 0.3 * mtp
 
-    moe_cfg = {impl: LingConfig.preset("debug", **shape, kda_impl=impl) for impl in ("chunked", "reference")}
+def test_gradients_match_reference_paths():
+    """jax.grad of the full MoE model through the chunked KDA path == through the token-by-token reference."""
+    moe_cfg = {impl: LingConfig.preset("debug", **GRAD_SHAPE, kda_impl=impl) for impl in ("chunked", "reference")}
     params = init_params(moe_cfg["chunked"], seed=1)
-    g_chunk, g_ref = (jax.jit(jax.grad(lambda p, c=c: loss(p, c)))(params) for c in moe_cfg.values())
+    g_chunk, g_ref = (jax.jit(jax.grad(lambda p, c=c: grad_loss(p, c)))(params) for c in moe_cfg.values())
     flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]) for g in (g_chunk, g_ref)]
     assert rel_l2(*flat) < 1e-5
     kda = g_chunk["segments"][0]["kda"]["attn"]
@@ -147,23 +150,15 @@ def test_gradients_match_reference_paths():
 def test_gradients_match_finite_differences():
     """The gradient of a dense-FFN model agrees with a central finite difference along a random
     direction (top-k routing is piecewise constant, so finite differences need a dense model)."""
-    shape = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)
-    tcfg = TrainConfig(batch_size=2, seq_len=24, compute_dtype="float32", remat="none", mtp_loss_weight=0.3)
-    batch = jax.device_put(next(PackedBatches(corpus(40), seq_len=24, batch_size=2, eos_id=1)))
-
-    def loss(p, cfg):
-        ce, mtp, _ = loss_terms(cfg, tcfg, p, batch)
-        return ce + 0.3 * mtp
-
-    dense = LingConfig.preset("debug", **shape, num_experts=None)
+    dense = LingConfig.preset("debug", **GRAD_SHAPE, num_experts=None)
     params = init_params(dense, seed=1)
-    grad = jax.jit(jax.grad(lambda p: loss(p, dense)))(params)
+    grad = jax.jit(jax.grad(lambda p: grad_loss(p, dense)))(params)
     rng = np.random.default_rng(0)
     # a direction on the scale of each leaf (weights ~ 0.02): the finite difference stays in the linear regime
     direction = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) * (jnp.std(x) + 1e-2),
                              params)
     eps = 3e-3
-    f = jax.jit(lambda p: loss(p, dense))
+    f = jax.jit(lambda p: grad_loss(p, dense))
     shifted = [float(f(jax.tree.map(lambda p, d, s=s: p + s * eps * d, params, direction))) for s in (1.0, -1.0)]
     fd = (shifted[0] - shifted[1]) / (2 * eps)
     analytic = sum(float(jnp.vdot(g, d))
@@ -263,13 +258,9 @@ def test_cli_under_a_data_expert_mesh_matches_one_device(tmp_path):
 def test_gradients_through_pallas_kda_path():
     """Full-model gradients through the Pallas KDA kernels (interpret mode on CPU, custom VJP)
     equal those through the token-by-token reference."""
-    shape = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)
-    tcfg = TrainConfig(batch_size=2, seq_len=24, compute_dtype="float32", remat="none", mtp_loss_weight=0.3)
-    batch = jax.device_put(next(PackedBatches(corpus(40), seq_len=24, batch_size=2, eos_id=1)))
     grads = []
     for impl in ("pallas", "reference"):
-        cfg = LingConfig.preset("debug", **shape, kda_impl=impl)
-        params = init_params(cfg, seed=1)
-        g = jax.jit(jax.grad(lambda p, cfg=cfg: sum(loss_terms(cfg, tcfg, p, batch)[:2])))(params)
+        cfg = LingConfig.preset("debug", **GRAD_SHAPE, kda_impl=impl)
+        g = jax.jit(jax.grad(lambda p, cfg=cfg: grad_loss(p, cfg)))(init_params(cfg, seed=1))
         grads.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]))
     assert rel_l2(*grads) < 1e-5
