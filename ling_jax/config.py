@@ -23,8 +23,8 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
-KDA_IMPLS = ("auto", "reference", "chunked", "pallas")
-MOE_IMPLS = ("auto", "ragged", "dense", "mgpu", "gmm")  # ling_jax.ops.moe.IMPLS
+KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
+MOE_IMPLS = ("auto", "ragged", "dense", "gather", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
 
 
 class ConfigError(ValueError):
@@ -302,10 +302,6 @@ class LingConfig:
     @property
     def uses_moe(self) -> bool:
         return self.num_experts is not None and self.first_k_dense_replace < self.num_hidden_layers
-
-    @property
-    def gate_lower_bound(self) -> float | None:
-        return self.kda_lower_bound
 
     # ------------------------------------------------------------------ schedule (§1.2)
     def mixer_of(self, i: int) -> Mixer:

@@ -108,3 +108,11 @@ def test_quant_exclusions_are_segment_suffixes():
     assert q.excludes("model.layers.5.attention.g_proj")
     assert not q.excludes("model.layers.4.attention.g_proj")
     assert not q.excludes("model.layers.15.attention.g_proj")
+
+
+def test_runtime_option_lists_match_the_implementations():
+    from ling_jax.config import KDA_IMPLS, MOE_IMPLS
+    from ling_jax.ops.kda.api import IMPLS as KDA
+    from ling_jax.ops.moe import IMPLS as MOE
+
+    assert set(KDA_IMPLS) == set(KDA) and set(MOE_IMPLS) == set(MOE)

@@ -264,3 +264,18 @@ def test_gradients_through_pallas_kda_path():
         g = jax.jit(jax.grad(lambda p, cfg=cfg: grad_loss(p, cfg)))(init_params(cfg, seed=1))
         grads.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]))
     assert rel_l2(*grads) < 1e-5
+
+
+@pytest.mark.heavy
+def test_gradient_accumulation_equals_one_big_batch():
+    """grad_accum=2 over 2 micro-batches == one step on the whole batch (losses, params, expert bias)."""
+    cfg = LingConfig.preset("debug", **TINY)
+    batch = jax.device_put(next(PackedBatches(corpus(100), seq_len=32, batch_size=4, eos_id=1)))
+    outs = []
+    for accum in (1, 2):
+        tcfg = TrainConfig(**{**TCFG, "grad_accum": accum})
+        opt = make_optimizer(cfg, tcfg)
+        state, m = jax.jit(make_train_step(cfg, tcfg, opt))(fresh_state(cfg, opt), batch)
+        outs.append((float(m["loss"]), np.concatenate([np.ravel(x) for x in jax.tree.leaves(state["params"])])))
+    assert abs(outs[0][0] - outs[1][0]) < 1e-5 * outs[0][0]
+    assert rel_l2(outs[1][1], outs[0][1]) < 1e-6

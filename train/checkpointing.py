@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 
@@ -44,8 +43,3 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self.manager.close()
-
-
-def abstract(tree: Any) -> Any:
-    """ShapeDtypeStructs (with shardings) of a pytree of arrays."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)

@@ -77,6 +77,25 @@ def loss_terms(cfg: LingConfig, tcfg: TrainConfig, params: Params, batch: dict[s
     return ce, mtp_ce, counts
 
 
+def zero_counts(cfg: LingConfig, tcfg: TrainConfig) -> dict[str, Any]:
+    """Zero per-expert counts shaped like `loss_terms`'s (the accumulator of a gradient-accumulation scan)."""
+    e = cfg.num_experts or 0
+
+    def zeros(*lead: int) -> jax.Array:
+        return jnp.zeros((*lead, e), jnp.int32)
+
+    segs: list[Any] = []
+    for seg in cfg.segments:
+        if seg.kind == "run":
+            segs.append(zeros(seg.length) if seg.ffn == "moe" else None)
+        else:
+            segs.append({"kda": zeros(seg.length, seg.kda_per_group) if seg.kda_per_group else None,
+                         "mla": zeros(seg.length)})
+    mtp = [zeros() if cfg.ffn_of(cfg.num_hidden_layers + j) == "moe" else None
+           for j in range(cfg.num_nextn_predict_layers)] if mtp_weight(cfg, tcfg) > 0 else []
+    return {"segments": segs, "mtp": mtp}
+
+
 def apply_bias_update(params: Params, counts: dict[str, Any], rate: float) -> Params:
     """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load), per MoE layer.
 
@@ -131,9 +150,7 @@ def make_train_step(cfg: LingConfig, tcfg: TrainConfig, optimizer: optax.Gradien
             (_, (c1, m1, k1)), g = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
             return (jax.tree.map(jnp.add, grads, g), ce + c1, mtp_ce + m1, jax.tree.map(jnp.add, counts, k1)), None
 
-        zeros_counts = jax.eval_shape(lambda: loss_terms(cfg, tcfg, params, jax.tree.map(lambda x: x[0], micro))[2])
-        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), jnp.float32(0.0),
-                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_counts))
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), jnp.float32(0.0), zero_counts(cfg, tcfg))
         (grads, ce, mtp_ce, counts), _ = jax.lax.scan(accumulate, init, micro)
         grad_norm = optax.tree.norm(grads)
         loss = ce / n_tok

@@ -409,6 +409,23 @@ def limit_malloc_arenas(n: int = 2) -> None:
 KNOWN_ERRORS = (CheckpointError, ConfigError, ValueError, OSError)
 
 
+def run_command(prog: str, job: Callable[[], Path], interrupted: str) -> int:
+    """Runs a checkpoint command's job on the CPU with capped malloc arenas: exit 0 and the output
+    path, or one error line and exit 1 (130 with `interrupted` on Ctrl-C)."""
+    cpu_only()
+    limit_malloc_arenas()
+    try:
+        out = job()
+    except KNOWN_ERRORS as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {interrupted}", file=sys.stderr)
+        return 130
+    print(f"{prog}: wrote {out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ling-convert",
@@ -423,19 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip reading every tensor back before committing")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    cpu_only()
-    limit_malloc_arenas()
-    try:
-        out = convert_hf_to_orbax(args.hf_dir, args.out, dtype=args.dtype, show_progress=not args.quiet,
-                                  compress=args.compress, verify=not args.no_verify)
-    except KNOWN_ERRORS as e:
-        print(f"ling-convert: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ling-convert: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    print(f"ling-convert: wrote {out}", file=sys.stderr)
-    return 0
+    return run_command("ling-convert", lambda: convert_hf_to_orbax(
+        args.hf_dir, args.out, dtype=args.dtype, show_progress=not args.quiet, compress=args.compress,
+        verify=not args.no_verify), "run the same command again to resume")
 
 
 if __name__ == "__main__":

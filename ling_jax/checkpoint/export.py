@@ -303,21 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", type=parse_size, default="4GiB", help="per file (default: 4GiB)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from ling_jax.checkpoint.convert import KNOWN_ERRORS, cpu_only, limit_malloc_arenas
+    from ling_jax.checkpoint.convert import run_command
 
-    cpu_only()
-    limit_malloc_arenas()
-    try:
-        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                                show_progress=not args.quiet)
-    except KNOWN_ERRORS as e:
-        print(f"ling-export: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ling-export: interrupted; nothing was written at the output path", file=sys.stderr)
-        return 130
-    print(f"ling-export: wrote {out}", file=sys.stderr)
-    return 0
+    return run_command("ling-export", lambda: export_checkpoint(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+        show_progress=not args.quiet), "nothing was written at the output path")
 
 
 if __name__ == "__main__":
