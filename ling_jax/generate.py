@@ -48,7 +48,8 @@ def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.A
     def layer(p, x, lim, _, mixer, ffn):
         x, c, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
         if mixer == "mla":
-            c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :t].set(c["latent"])}
+            n = min(t, slots)  # the prompt bucket may outgrow the cache; rows past every length are padding
+            c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :n].set(c["latent"][:, :n])}
         return x, c
 
     x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
@@ -109,17 +110,20 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
 def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
                 key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_S: jax.Array) -> tuple[jax.Array, jax.Array, Cache]:
-    """Generates up to `max_new` tokens per row: (tokens [B, max_new], count per row [B], final cache).
+                stop_S: jax.Array, n_new: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+    """Generates up to `n_new` (default `max_new`) tokens per row: (tokens [B, max_new], count per row
+    [B], final cache). `max_new` only sizes the output buffer (static); `n_new` is traced, so calls
+    asking for different numbers of tokens within one buffer size share a compilation.
 
     A row stops after emitting a token of `stop_S`; the loop ends when every row has stopped.
     The cache is donated and returned, so the loop updates it in place (no second copy).
     """
     b = logits_BV.shape[0]
+    limit = jnp.int32(max_new) if n_new is None else jnp.minimum(n_new, max_new)
 
     def cond(state):
         step, _, _, _, done = state
-        return (step < max_new) & ~jnp.all(done)
+        return (step < limit) & ~jnp.all(done)
 
     def body(state):
         step, cache, logits, out, done = state
@@ -135,7 +139,7 @@ def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Ar
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
-    """Prompt lengths are padded to powers of two (>= 16) so few shapes compile."""
+    """Powers of two (>= 16): prompt lengths and output buffers are padded to them so few shapes compile."""
     return max(minimum, 1 << (n - 1).bit_length())
 
 
@@ -169,9 +173,12 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
         ids[i, : len(p)] = np.asarray(p, np.int32)
     stop = tuple(config.eos_token_id) if stop_tokens is None else tuple(stop_tokens)
     stop_S = jnp.asarray(stop if stop else (-2,), jnp.int32)  # -2 never sampled
-    max_len = max(lengths) + max_new_tokens
-    cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), max_len)
-    out, counts, _ = decode_loop(config, params, cache, logits, max_new_tokens, jax.random.key(seed),
-                              jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S)
+    # static shapes come in buckets (cache slots in whole decode-attention blocks, the output buffer in
+    # powers of two), so calls with other prompt lengths or token budgets reuse the compilations
+    slots = cache_length(max(lengths) + max_new_tokens)
+    cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), slots)
+    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), jax.random.key(seed),
+                                 jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S,
+                                 jnp.int32(max_new_tokens))
     out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, : counts[i]].tolist() for i in range(len(prompts))]

@@ -144,3 +144,14 @@ def test_latent_attention_blocks_and_lengths():
         rows = np.concatenate([np.asarray(cache[i, :n]), np.asarray(new[i])[None]])
         p = jax.nn.softmax(0.3 * np.asarray(q[i]) @ rows.T, axis=-1)
         np.testing.assert_allclose(got[i], p @ rows[:, :r], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.heavy
+def test_long_prompt_bucket_larger_than_the_cache(golden_a):
+    """A 2100-token prompt pads to a 4096 bucket while the cache holds 3072 slots: prefill keeps
+    the real rows, and the first new token is the forward pass's argmax."""
+    cfg, params, _ = golden_a
+    prompt = np.random.default_rng(5).integers(0, cfg.vocab_size, 2100).tolist()
+    out = generate(cfg, params, [prompt], max_new_tokens=4, stop_tokens=())[0]
+    want = int(jnp.argmax(ling_jax.forward(cfg, params, jnp.asarray([prompt]))[0, -1]))
+    assert out[0] == want and len(out) == 4
