@@ -337,28 +337,43 @@ sys.exit(rc)
 """
 
 
+def _peak_rss(src: Path, out: Path, **env: str) -> int:
+    """Peak RSS (bytes) of `ling-convert --dtype bfloat16` of `src` in a fresh interpreter."""
+    argv = ["--hf-dir", str(src), "--out", str(out), "--dtype", "bfloat16", "--quiet"]
+    r = subprocess.run([sys.executable, "-c", RSS_SNIPPET, *argv], env={**ENV, **env}, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shutil.rmtree(out)
+    return int(r.stdout.split("MAXRSS")[1])
+
+
 @pytest.mark.heavy
 def test_peak_rss_does_not_grow_with_model_size(tmp_path):
     """FP8 models of 1.0 and 2.8 GB with the same largest tensor (a 64 MB bf16 embedding), converted to
-    bfloat16 (the path with dequantization temporaries): the same peak RSS, under a stated bound."""
-    peaks = {}
+    bfloat16 (the path with dequantization temporaries).
+
+    Growth is measured with glibc returning every buffer of 1 MB or more to the OS when it is freed
+    (`mmap_threshold`): the peak is then what the converter holds, and it is flat. With glibc's default
+    heap the same runs peak 20-60 MB higher, varying run to run with heap fragmentation (measured
+    365-456 MB), so there only the stated bound is checked, on the larger model.
+    """
     quant = QuantConfig(block_size=(128, 128), exclusions=LING_FP8_EXCLUSIONS)
     largest = 32768 * 1024 * 2
+    exact_heap = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}
+    peaks, sizes = {}, {}
     for layers in (8, 24):
         src = write_random_hf_checkpoint(scaled_config(layers), tmp_path / f"src{layers}", quantization=quant)
-        size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        r = subprocess.run([sys.executable, "-c", RSS_SNIPPET, "--hf-dir", str(src), "--out", str(tmp_path / "o"),
-                            "--dtype", "bfloat16", "--quiet"], env=ENV, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stderr[-2000:]
-        peaks[size] = int(r.stdout.split("MAXRSS")[1])
-        shutil.rmtree(tmp_path / "o")
+        sizes[layers] = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        peaks[layers] = _peak_rss(src, tmp_path / "o", **exact_heap)
+        if layers == 24:
+            peaks["default heap"] = _peak_rss(src, tmp_path / "o")
         shutil.rmtree(src)
-    (small, p_small), (big, p_big) = sorted(peaks.items())
-    print(f"peak RSS: {p_small / 1e6:.0f} MB for {small / 1e9:.2f} GB, {p_big / 1e6:.0f} MB for {big / 1e9:.2f} GB")
-    assert big > 2.5 * small
+    print(f"peak RSS: {peaks[8] / 1e6:.0f} MB for {sizes[8] / 1e9:.2f} GB, {peaks[24] / 1e6:.0f} MB for "
+          f"{sizes[24] / 1e9:.2f} GB; {peaks['default heap'] / 1e6:.0f} MB for the latter with glibc's default heap")
+    assert sizes[24] > 2.5 * sizes[8]
+    assert peaks[24] < peaks[8] + largest / 2, peaks  # nothing held per tensor: no growth with the model
     bound = (300 << 20) + 4 * largest  # interpreter + JAX/Orbax/tensorstore imports (~200 MB), then a few tensors
-    assert p_small < bound and p_big < bound, peaks
-    assert p_big < p_small + largest / 2, peaks  # no growth with the model beyond noise
+    assert max(peaks.values()) < bound, peaks
 
 
 def test_bfloat16_target_rounds_fp8_once(ck_fp8_as_bf16):

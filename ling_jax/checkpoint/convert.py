@@ -393,8 +393,9 @@ def limit_malloc_arenas(n: int = 2) -> None:
 
     Tensorstore writes from many I/O threads; with glibc's default of up to 8 arenas per core,
     each keeps freed tensor-sized blocks resident, and the peak RSS then grows with the number of
-    tensors (measured: 577 MB for a 1 GB model, 696 MB for 2.8 GB). With 2 arenas it is flat
-    (399 / 403 MB). No-op where glibc's `mallopt` is unavailable.
+    tensors (measured: 577 MB for a 1 GB model, 696 MB for 2.8 GB). With 2 arenas both peak within
+    365-456 MB, varying run to run with heap fragmentation (and 335-345 MB when glibc returns every
+    buffer over 1 MB to the OS, at ~1.6x the conversion time). No-op where `mallopt` is unavailable.
     """
     import ctypes
     import ctypes.util
