@@ -179,6 +179,12 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
     plan.add("routed-expert weights", experts, f"{how_w}; table: [E, D, I] over (expert, fsdp, tensor)")
     plan.add("other weights", param_bytes(cfg, sizes, per_el, lambda s: not s.leaf.experts),
              f"{how_w}; table roles in_proj/out_proj/lora/embed/lm_head")
+    if weights == "fp8":  # the model dequantizes one layer's FP8 weights at a time, inside the layer
+        fp8 = fp8_bytes(cfg)
+        one_layer = max(param_bytes(cfg, sizes, lambda s: 2.0 if fp8(s) < 2.0 else 0.0,
+                                    lambda s, st=st: s.path[:len(st)] == st)
+                        / max(1, math.prod(_stack_shape(cfg, st))) for st in _stack_paths(cfg))
+        plan.add("one layer dequantized", one_layer, "bf16 copy of the largest layer's FP8 weights, split like them")
     n = _layer_counts(cfg)
     h, dh, p, w = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
     state = math.prod((batch, h, dh, dh)) * 4 / shards(tuple(spec("kda_state", (batch, h, dh, dh), sizes)), sizes)

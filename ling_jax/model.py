@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import Ffn, LingConfig, Mixer
 from ling_jax.layers.kda import kda_mixer
 from ling_jax.layers.mla import mla_mixer
@@ -80,6 +81,7 @@ def decoder_layer(
     (training/prefill over T tokens, or one decode step against a cache).
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
+    p = dense_weights(p, x_BTD.dtype)  # FP8-resident weights: this layer's, dequantized here
     a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
     x_BTD = x_BTD + a
     h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
@@ -226,6 +228,7 @@ def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BT
         ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
 
         def layer(p, h, ids, i=i):
+            p = dense_weights(p, h.dtype)
             e = rms_norm(embed(params, ids), p["enorm"], cfg.rms_norm_eps)
             z = jnp.concatenate([e, rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
             z = z @ p["eh_proj"].astype(z.dtype)

@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-tokens", default=None, help="comma-separated ids; default: the config's eos; '' = none")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="params/activation dtype")
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="keep the layer weights of an FP8 checkpoint (ling-convert --dtype float8) in FP8 on the "
+                         "device, dequantized one layer at a time")
     return ap
 
 
@@ -35,13 +38,23 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def load_any(path: Path, dtype: str):
+def load_any(path: Path, dtype: str, fp8_weights: bool = False):
     """(config, params) from an HF directory or an Orbax checkpoint directory."""
+    import jax
+
     import ling_jax
+    from ling_jax.checkpoint.fp8 import is_block_fp8
+    from ling_jax.checkpoint.safetensors_io import CheckpointError
 
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        if fp8_weights:
+            raise CheckpointError(f"--fp8-weights needs an Orbax checkpoint with FP8 weights; convert {path} first "
+                                  "(ling-convert --dtype float8)")
         return ling_jax.load_hf_checkpoint(path, dtype=dtype)
-    return ling_jax.load_checkpoint(path, dtype=dtype)
+    cfg, params = ling_jax.load_checkpoint(path, dtype=dtype, keep_fp8=fp8_weights)
+    if fp8_weights and not any(map(is_block_fp8, jax.tree.leaves(params, is_leaf=is_block_fp8))):
+        raise CheckpointError(f"--fp8-weights: {path} has no FP8 weights (convert with ling-convert --dtype float8)")
+    return cfg, params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from ling_jax.config import ConfigError
 
     try:
-        cfg, params = load_any(path, args.dtype)
+        cfg, params = load_any(path, args.dtype, args.fp8_weights)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         return _fail(str(e))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

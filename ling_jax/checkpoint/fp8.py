@@ -5,7 +5,8 @@ A quantized `X.weight` [N, K] comes with `X.weight_scale_inv` [ceil(N/bn), ceil(
 are partial and use their own scale.
 
 `BlockFP8` carries such a weight in our param pytree (value and scale in our `[in, out]` layout),
-which is how `load_checkpoint(dtype=None)` returns the weights of an FP8 checkpoint.
+which is how `load_checkpoint` returns the layer weights of an FP8 checkpoint kept FP8-resident;
+the model dequantizes them one layer at a time (`dense_weights`), inside its layer scans.
 """
 
 from __future__ import annotations
@@ -97,3 +98,14 @@ def dequantize_jax(value: jax.Array, scale: jax.Array, block: tuple[int, int], d
     k, n = value.shape[-2:]
     s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block[0], axis=-2)[..., :k, :], block[1], axis=-1)[..., :n]
     return (value.astype(jnp.float32) * s).astype(dtype)
+
+
+def is_block_fp8(x: Any) -> bool:
+    return isinstance(x, BlockFP8)
+
+
+def dense_weights(tree: Any, dtype: Any) -> Any:
+    """`tree` with every `BlockFP8` leaf dequantized to `dtype` (float32 product, then the cast);
+    other leaves unchanged. Called on one layer's params inside the layer, so only that layer's
+    weights exist dequantized at a time."""
+    return jax.tree.map(lambda x: x.dequantize(dtype) if is_block_fp8(x) else x, tree, is_leaf=is_block_fp8)

@@ -331,13 +331,16 @@ def _scale_sharding(sharding: jax.sharding.Sharding, n_stack: int) -> jax.shardi
 
 
 def load_checkpoint(path: str | Path, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                    **config_options: Any) -> tuple[LingConfig, Params]:
+                    keep_fp8: bool = False, **config_options: Any) -> tuple[LingConfig, Params]:
     """Reads a checkpoint written by `ling-convert`, `save_checkpoint` or training into (config, params).
 
-    `dtype=None` keeps the stored dtypes; FP8 leaves then come back as `BlockFP8(value, scale, block)`
-    for an FP8 inference path. A float `dtype` casts every leaf to it (A_log, dt_bias, expert_bias
-    stay float32) and dequantizes FP8 leaves (float32 product, then the cast). Each array is
-    restored by Orbax directly in its sharding (`params.default_sharding(cfg, mesh)`).
+    A float `dtype` casts every leaf to it (A_log, dt_bias, expert_bias stay float32) and
+    dequantizes FP8 leaves (float32 product, then the cast); `dtype=None` keeps the stored dtypes.
+    FP8-resident inference (`keep_fp8=True`, or `dtype=None`): the FP8 weights of the layers stay
+    `BlockFP8(value, scale, block)` leaves (1 byte per weight plus the scales), which `forward`,
+    `generate` and the decode loop dequantize one layer at a time; an FP8 embedding or output head
+    (read outside the layers) is still dequantized, to `dtype` or bfloat16.
+    Each array is restored by Orbax directly in its sharding (`params.default_sharding(cfg, mesh)`).
     `config_options` set runtime fields of `LingConfig` (e.g. `kda_impl="chunked"`).
     """
     ck = open_checkpoint(path, **config_options)
@@ -370,10 +373,11 @@ def load_checkpoint(path: str | Path, *, dtype: Any = None, mesh: jax.sharding.M
         if block is None:
             return value
         q = BlockFP8(value, get_path(scales, slot.path), block)
-        if want is None:
+        in_layers = slot.path[0] in ("segments", "mtp")
+        if in_layers and (keep_fp8 or want is None):
             return q
         dequant = jax.jit(dequantize_jax, static_argnums=(2, 3), out_shardings=sharding(slot))
-        return dequant(q.value, q.scale, block, want)
+        return dequant(q.value, q.scale, block, want or jnp.dtype(jnp.bfloat16))
 
     return cfg, build_tree(cfg, make)
 
