@@ -364,10 +364,14 @@ def _mismatches(reader: CheckpointReader, work: list[Work], done: dict[str, tupl
 def _check_orbax_view(tmp: Path, leaves: list[LeafPlan]) -> None:
     """Orbax's own metadata reader sees every leaf with its shape and dtype."""
     import orbax.checkpoint as ocp
+    from etils import epath
 
-    with ocp.PyTreeCheckpointer() as ck:
-        meta = ck.metadata(tmp / PARAMS)
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    handler = ocp.PyTreeCheckpointHandler()  # the item's reader (the step's own metadata is not written yet)
+    try:
+        meta = handler.metadata(epath.Path(tmp / PARAMS))
+    finally:
+        handler.close()
+    tree = getattr(meta, "tree", meta)
     for lp in leaves:
         node = tree
         for k in lp.slot.path:
