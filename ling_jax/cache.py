@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import LingConfig, Mixer
+from ling_jax.sharding import constrain
 
 Cache = dict[str, Any]
+ROLES = {"state": "kda_state", "conv": "kda_conv", "latent": "mla_latent"}  # cache leaf -> sharding role
 LATENT_BLOCK = 1024  # the latent cache length is allocated in multiples of this (decode attention block)
 
 
@@ -52,6 +54,14 @@ def cache_shapes(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfl
             segs.append({"kda": _mixer_cache(cfg, "kda", (seg.length, seg.kda_per_group), batch, slots, dtype),
                          "mla": _mixer_cache(cfg, "mla", (seg.length,), batch, slots, dtype)})
     return {"segments": segs, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+
+
+def place(cache: Cache) -> Cache:
+    """The cache laid out by the sharding table's cache roles on the context mesh (identity without
+    one): rows over the token axes, KDA heads over `tensor`, the latent whole per row (stack axes
+    unsplit), instead of whatever layout GSPMD would pick for the loop carry."""
+    segs = jax.tree_util.tree_map_with_path(lambda path, x: constrain(x, ROLES[path[-1].key]), cache["segments"])
+    return {"segments": segs, "lengths": cache["lengths"]}
 
 
 def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> Cache:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import Cache, cache_length
+from ling_jax.cache import Cache, cache_length, place
 from ling_jax.config import LingConfig
 from ling_jax.layers.kda import kda_mixer
 from ling_jax.layers.mla import mla_decode
@@ -54,7 +54,7 @@ def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.A
 
     x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
     h = rms_norm(_last(x, lengths_B), params["final_norm"], cfg.rms_norm_eps)
-    return {"segments": caches, "lengths": lengths_B.astype(jnp.int32)}, lm_head(cfg, params, h)
+    return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
 
 
 def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Array) -> tuple[Cache, jax.Array]:
@@ -84,7 +84,7 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
     for seg, c, y in zip(cfg.segments, cache["segments"], new, strict=True):
         segs.append(merge(c, y) if seg.kind == "run" else {k: merge(c[k], y[k]) for k in c})
     h = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return {"segments": segs, "lengths": lengths + 1}, lm_head(cfg, params, h)
+    return place({"segments": segs, "lengths": lengths + 1}), lm_head(cfg, params, h)
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,

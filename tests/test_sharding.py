@@ -183,6 +183,36 @@ def test_generate_through_mesh(golden_a):
     assert out == g["decode_generated_ids"].tolist()
 
 
+def test_decode_caches_follow_the_table(golden_a):
+    """Prefill and decode steps under a data x expert x tensor mesh lay every cache leaf out by its
+    role (rows over the token axes, KDA heads over tensor); the teacher-forced step logits stay golden."""
+    from ling_jax.cache import ROLES, init_cache
+    from ling_jax.generate import decode_step, prefill
+
+    _, _, g = golden_a
+    mesh, cfg, sparams = sharded_golden("2x2x2")
+    prompt = jnp.asarray(g["decode_prompt_ids"])
+    forced = g["decode_generated_ids"]
+    step = jax.jit(decode_step, static_argnums=0)
+    with jax.set_mesh(mesh):
+        cache, logits = prefill(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
+        for s in range(3):
+            assert rel_l2(logits, g["decode_step_logits"][:, s]) < 1e-5, s
+            cache, logits = step(cfg, sparams, cache, jnp.asarray(forced[:, s]))
+        # a cache given replicated (here: empty) comes out of a step laid out by the table too
+        fresh, _ = step(cfg, sparams, jax.device_put(init_cache(cfg, 2, 28, jnp.float32), NamedSharding(mesh, P())),
+                        jnp.asarray(forced[:, 0]))
+    for c in (cache, fresh):
+        leaves = jax.tree_util.tree_leaves_with_path(c["segments"])
+        assert {p[-1].key for p, _ in leaves} == set(ROLES)
+        for path, x in leaves:
+            want = NamedSharding(mesh, sharding.spec(ROLES[path[-1].key], x.shape, mesh))
+            assert x.sharding.is_equivalent_to(want, x.ndim), (path, x.sharding.spec, want.spec)
+    state = next(x for p, x in leaves if p[-1].key == "state")
+    spec = tuple(state.sharding.spec) + (None,) * (state.ndim - len(state.sharding.spec))
+    assert spec[-4:] == ("data", "tensor", None, None)  # B=2 over data, the 4 heads over tensor
+
+
 # ----------------------------------------------------------------------------- one MoE layer
 
 
