@@ -101,6 +101,7 @@ def dequantize_jax(value: jax.Array, scale: jax.Array, block: tuple[int, int], d
 
 
 def is_block_fp8(x: Any) -> bool:
+    """Whether a pytree node is an FP8-resident weight (the `is_leaf` of tree maps that must see it whole)."""
     return isinstance(x, BlockFP8)
 
 
