@@ -9,9 +9,11 @@ Prints every output and the decode throughput.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-tokens", default=None, help="comma-separated ids; default: the config's eos; '' = none")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="params/activation dtype")
+    ap.add_argument("--mesh", default="", help="device mesh as axis=size pairs, e.g. 'expert=8' or "
+                    "'data=2,expert=4' (axes data, fsdp, expert, tensor); default: one device")
     ap.add_argument("--fp8-weights", action="store_true",
                     help="keep the layer weights of an FP8 checkpoint (ling-convert --dtype float8) in FP8 on the "
                          "device, dequantized one layer at a time")
@@ -38,8 +42,21 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def load_any(path: Path, dtype: str, fp8_weights: bool = False):
-    """(config, params) from an HF directory or an Orbax checkpoint directory."""
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {"data": 2, "expert": 4}; ValueError naming the bad part."""
+    from ling_jax.sharding import AXES
+
+    sizes: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, n = part.partition("=")
+        if not eq or name not in AXES or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--mesh: {part!r} is not axis=size with an axis of {', '.join(AXES)}")
+        sizes[name] = int(n)
+    return sizes
+
+
+def load_any(path: Path, dtype: str, fp8_weights: bool = False, mesh: Any = None):
+    """(config, params) from an HF directory or an Orbax checkpoint directory, placed on `mesh` if given."""
     import jax
 
     import ling_jax
@@ -50,8 +67,8 @@ def load_any(path: Path, dtype: str, fp8_weights: bool = False):
         if fp8_weights:
             raise CheckpointError(f"--fp8-weights needs an Orbax checkpoint with FP8 weights; convert {path} first "
                                   "(ling-convert --dtype float8)")
-        return ling_jax.load_hf_checkpoint(path, dtype=dtype)
-    cfg, params = ling_jax.load_checkpoint(path, dtype=dtype, keep_fp8=fp8_weights)
+        return ling_jax.load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
+    cfg, params = ling_jax.load_checkpoint(path, dtype=dtype, keep_fp8=fp8_weights, mesh=mesh)
     if fp8_weights and not any(map(is_block_fp8, jax.tree.leaves(params, is_leaf=is_block_fp8))):
         raise CheckpointError(f"--fp8-weights: {path} has no FP8 weights (convert with ling-convert --dtype float8)")
     return cfg, params
@@ -81,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--prompt-ids: {e}")
     stop = None if args.stop_tokens is None else [int(x) for x in args.stop_tokens.split(",") if x.strip()]
 
+    try:
+        sizes = parse_mesh(args.mesh)
+    except ValueError as e:
+        return _fail(str(e))
+
     import jax
 
     import ling_jax
@@ -88,24 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     from ling_jax.config import ConfigError
 
     try:
-        cfg, params = load_any(path, args.dtype, args.fp8_weights)
-    except (CheckpointError, ConfigError, FileNotFoundError) as e:
+        mesh = ling_jax.make_mesh(**sizes) if sizes else None
+        cfg, params = load_any(path, args.dtype, args.fp8_weights, mesh)
+    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, stop_tokens=stop)
-    try:
-        t0 = time.perf_counter()
-        outs = ling_jax.generate(cfg, params, prompts, **kw)  # includes compilation
-        t1 = time.perf_counter()
-        outs = ling_jax.generate(cfg, params, prompts, **kw)
-        t2 = time.perf_counter()
+    try:  # under the mesh the MoE layers dispatch experts across `expert`, caches follow the table
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            t0 = time.perf_counter()
+            outs = ling_jax.generate(cfg, params, prompts, **kw)  # includes compilation
+            t1 = time.perf_counter()
+            outs = ling_jax.generate(cfg, params, prompts, **kw)
+            t2 = time.perf_counter()
     except ValueError as e:
         return _fail(str(e))
     n_new = sum(len(o) for o in outs)
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         text = f" {tok.decode(o)!r}" if tok else ""
         print(f"[{i}] prompt {len(p)} tokens -> {len(o)} new: {o}{text}")
-    print(f"{n_new} new tokens for {len(prompts)} prompts on {jax.devices()[0].platform}: "
+    where = f"{jax.devices()[0].platform}" + ("" if mesh is None else f" x {mesh.size} ({args.mesh})")
+    print(f"{n_new} new tokens for {len(prompts)} prompts on {where}: "
           f"{n_new / (t2 - t1):.1f} tokens/s ({t2 - t1:.3f} s warm; first call with compilation {t1 - t0:.2f} s)")
     return 0
 

@@ -43,6 +43,9 @@ def test_text_and_id_prompts(checkpoint, capsys):
     (["--prompt-ids", "1,x"], "--prompt-ids"),
     (["--prompt-ids", "1,999"], "outside"),
     ([], "at least one"),
+    (["--prompt-ids", "1", "--mesh", "expert=x"], "--mesh: 'expert=x'"),
+    (["--prompt-ids", "1", "--mesh", "experts=2"], "--mesh: 'experts=2'"),
+    (["--prompt-ids", "1", "--mesh", "expert=16"], "16 but 8 devices"),
 ])
 def test_bad_input_exits_with_one_line(checkpoint, capsys, args, msg):
     if "--checkpoint" not in args:

@@ -92,6 +92,11 @@ def test_cli_fp8_weights(ck, capsys):
     assert main(["--checkpoint", str(ck), "--fp8-weights", "--prompt-ids", prompt, "--max-new-tokens", "16",
                  "--stop-tokens", "", "--dtype", "float32"]) == 0
     assert f"-> 16 new: {g['decode_generated_ids'][0].tolist()}" in capsys.readouterr().out
+    # the same on a data x expert mesh of the 8 simulated devices
+    assert main(["--checkpoint", str(ck), "--fp8-weights", "--mesh", "data=2,expert=4", "--prompt-ids", prompt,
+                 "--max-new-tokens", "16", "--stop-tokens", "", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert f"-> 16 new: {g['decode_generated_ids'][0].tolist()}" in out and "x 8 (data=2,expert=4)" in out
     assert main(["--checkpoint", str(FP8_SRC), "--fp8-weights", "--prompt-ids", "1"]) == 2
     assert "ling-convert --dtype float8" in capsys.readouterr().err
 
