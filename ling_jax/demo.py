@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import ling_jax
     from ling_jax.checkpoint.convert import convert_hf_to_orbax
     from ling_jax.checkpoint.export import save_hf_checkpoint
+    from ling_jax.checkpoint.synthetic import LING_FP8_EXCLUSIONS
     from ling_jax.config import ConfigError, QuantConfig
     from ling_jax.params import init_params
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds)
     print(f"[1/5] random {args.preset} model: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
           f"{n_mla} MLA), {cfg.num_experts} experts, {cfg.num_nextn_predict_layers} MTP layer(s) -> {hf_dir}")
-    quant = QuantConfig(block_size=(32, 32), exclusions=("lm_head", "word_embeddings", "gate", "b_proj"))
+    quant = QuantConfig(block_size=(32, 32), exclusions=LING_FP8_EXCLUSIONS)
     save_hf_checkpoint(cfg, init_params(cfg, seed=args.seed), hf_dir, quantization=quant, max_shard_bytes=256 << 10)
     files = sorted(p.name for p in hf_dir.iterdir())
     print(f"      block-FP8 (32x32 scales), {len(files)} files: {', '.join(files[:2])}, ..., {files[-1]}")

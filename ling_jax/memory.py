@@ -181,9 +181,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
              f"{how_w}; table roles in_proj/out_proj/lora/embed/lm_head")
     if weights == "fp8":  # the model dequantizes one layer's FP8 weights at a time, inside the layer
         fp8 = fp8_bytes(cfg)
-        one_layer = max(param_bytes(cfg, sizes, lambda s: 2.0 if fp8(s) < 2.0 else 0.0,
-                                    lambda s, st=st: s.path[:len(st)] == st)
-                        / max(1, math.prod(_stack_shape(cfg, st))) for st in _stack_paths(cfg))
+        one_layer = _largest_layer(cfg, sizes, lambda s: 2.0 if fp8(s) < 2.0 else 0.0)
         plan.add("one layer dequantized", one_layer, "bf16 copy of the largest layer's FP8 weights, split like them")
     n = _layer_counts(cfg)
     h, dh, p, w = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
@@ -218,8 +216,7 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("bf16 compute copy", master / 2, "cast of the sharded master")
     # FSDP: the layer being computed has its weights gathered over fsdp (experts stay split over expert/tensor)
     unsharded = {a: (1 if a == "fsdp" else sizes[a]) for a in AXES}
-    per_layer = max(param_bytes(cfg, unsharded, lambda s: 2.0, lambda s, st=st: s.path[:len(st)] == st)
-                    / max(1, math.prod(_stack_shape(cfg, st))) for st in _stack_paths(cfg))
+    per_layer = _largest_layer(cfg, unsharded, lambda s: 2.0)
     lm_head = cfg.hidden_size * _div(cfg.vocab_size, sizes, "tensor") * 2
     if sizes["fsdp"] > 1:
         plan.add("gathered weights of one layer", 2 * max(per_layer, lm_head),
@@ -238,6 +235,12 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("logits + grad (fp32)", heads * 2 * t * v_l * 4, f"{t} tokens x V/{cfg.vocab_size // v_l} x 4 B x 2"
              f"{' (main + MTP)' if heads > 1 else ''}")
     return plan
+
+
+def _largest_layer(cfg: LingConfig, sizes: Mapping[str, int], per_element: Callable[[ParamSlot], float]) -> float:
+    """Bytes per device of the largest single layer's params (one element of a layer stack)."""
+    return max(param_bytes(cfg, sizes, per_element, lambda s, st=st: s.path[:len(st)] == st)
+               / max(1, math.prod(_stack_shape(cfg, st))) for st in _stack_paths(cfg))
 
 
 def _stack_paths(cfg: LingConfig) -> list[tuple]:

@@ -63,12 +63,10 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     axes, heads over `tensor` (the layouts the sharding table gives these activations)."""
     args = {k: v for k, v in args.items() if v is not None}
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
-    if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
-        args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)
     mesh = context_mesh()
 
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if "dt_bias" in a:
+        if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]
             a["dt_bias"] = a["dt_bias"].reshape(-1)
         return kimi_delta_attention(scale=scale, impl=cfg.kda_impl, use_qk_l2norm=True, lower_bound=lower_bound,
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
@@ -76,6 +74,8 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
 
     if mesh is None or mesh.size == 1 or resolve_impl(cfg.kda_impl) != "pallas":
         return op(**args)
+    if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
+        args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)
     sizes = axis_sizes(mesh)
     b, h = args["q"].shape[0], args["q"].shape[2]
     bax = fit_spec((b,), (BATCH_AXES,), sizes)[0]
