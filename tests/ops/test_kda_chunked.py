@@ -7,12 +7,12 @@ cached, and the reference is compiled independently of the chunk size.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import GOLDEN
 
 from ling_jax.ops import kimi_delta_attention
 from ling_jax.ops.kda.chunked import kda_chunked
@@ -20,7 +20,6 @@ from ling_jax.ops.kda.reference import kda_reference
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-REPO = Path(__file__).resolve().parents[2]
 B, H, K, V = 2, 2, 16, 8
 SCALE = K**-0.5
 
@@ -102,15 +101,8 @@ def check_against_reference(
 # ---------------------------------------------------------------- 1. golden op vectors
 
 
-def golden_path() -> Path:
-    local = REPO / "tests" / "golden" / "kda_op_a.npz"
-    return local if local.exists() else REPO / ".." / "shared" / "golden" / "kda_op_a.npz"
-
-
 def test_golden_kda_op_a():
-    path = golden_path()
-    if not path.exists():
-        pytest.skip(f"{path} not found")
+    path = GOLDEN / "kda_op_a.npz"
     gd = np.load(path)
     assert gd["q"].shape[1] % 64 != 0  # T = 100 exercises the padded tail
     o, s = jax.jit(

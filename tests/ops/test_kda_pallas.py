@@ -11,12 +11,12 @@ backend cannot lower.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import GOLDEN
 
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
@@ -123,15 +123,8 @@ def test_forward_head_dim_128():
     assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5
 
 
-def _golden_path() -> Path:
-    local = Path(__file__).parents[1] / "golden" / "kda_op_a.npz"
-    return local if local.exists() else Path(__file__).parents[3] / "shared" / "golden" / "kda_op_a.npz"
-
-
 def test_golden_op_vectors():
-    path = _golden_path()
-    if not path.exists():
-        pytest.skip(f"{path} not present")
+    path = GOLDEN / "kda_op_a.npz"
     d = np.load(path)
     o, ht = kimi_delta_attention(
         jnp.asarray(d["q"]), jnp.asarray(d["k"]), jnp.asarray(d["v"]), jnp.asarray(d["g_raw"]),
