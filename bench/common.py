@@ -21,8 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.config import LingConfig
-from ling_jax.params import ParamSlot, build_tree
+from ling_jax.checkpoint.export import is_quantizable
+from ling_jax.checkpoint.fp8 import FP8, BlockFP8
+from ling_jax.checkpoint.synthetic import LING_FP8_EXCLUSIONS
+from ling_jax.config import LingConfig, QuantConfig
+from ling_jax.params import ParamSlot, build_tree, get_path
 
 
 def machine() -> dict[str, Any]:
@@ -89,6 +92,27 @@ def random_params(cfg: LingConfig, dtype: Any, seed: int = 0) -> Any:
     def make(slot: ParamSlot) -> jax.Array:
         return leaf(jax.random.key(seed * 100003 + next(counter)), slot.shape, slot.leaf.init,
                     jnp.dtype(slot.dtype(dtype)))
+
+    return build_tree(cfg, make)
+
+
+def random_fp8_params(cfg: LingConfig, dtype: Any, seed: int = 0, block: tuple[int, int] = (128, 128)) -> Any:
+    """`random_params` with the layers' linear weights FP8-resident, as `load_checkpoint(keep_fp8=True)`
+    returns a Ling FP8 checkpoint (`BlockFP8` leaves; the `LING_FP8_EXCLUSIONS` modules stay `dtype`).
+
+    Values are e4m3 casts of N(0, 1) with every block scale 0.02, so weights have the bf16 ones' spread.
+    """
+    dense = random_params(cfg, dtype, seed)
+    quant = QuantConfig(block_size=(block[1], block[0]), exclusions=LING_FP8_EXCLUSIONS)
+    to_fp8 = jax.jit(lambda w: (w.astype(jnp.float32) / 0.02).astype(FP8))
+
+    def make(slot: ParamSlot) -> Any:
+        w = get_path(dense, slot.path)
+        if slot.path[0] not in ("segments", "mtp") or not is_quantizable(next(slot.hf_names())[1], slot.leaf, quant):
+            return w
+        k, n = slot.shape[-2:]
+        scale = jnp.full((*slot.shape[:-2], -(-k // block[0]), -(-n // block[1])), 0.02, jnp.float32)
+        return BlockFP8(to_fp8(w), scale, block)
 
     return build_tree(cfg, make)
 

@@ -2,6 +2,7 @@
 
     python3 bench/decode.py --out bench/results/decode_h200.json        # the GPU run
     python3 bench/decode.py --smoke --out /tmp/decode_smoke.json        # CPU, debug preset, seconds
+    python3 bench/decode.py --batches 1 --contexts 1024 --profile /tmp/trace --out ...   # + kernel table
 
 A Ling-3.0-tiny-shaped model (all 24 layers, random bf16 weights generated on the device) decodes
 `--steps` tokens per row with `ling_jax.generate.decode_loop` (one `lax.while_loop`, greedy) at
@@ -14,6 +15,11 @@ bf16 elementwise pass, same run): every attention/dense/shared/router weight, th
 the batch touches (expected distinct experts per layer E·(1 - (1 - k/E)^B) under uniform routing),
 the lm_head, the MLA latent cache read up to the context, the KDA state read + written. Goal at
 batch 1: time <= 1.3x the floor.
+
+`--scan` keeps the layer scans (`decode_loop(unroll_layers=False)`); `--fp8` keeps the layers'
+linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(keep_fp8=True)`
+returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
+every configuration and prints where the device time goes (`bench/profile.py`).
 """
 
 from __future__ import annotations
@@ -29,15 +35,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, machine, random_params, write_json
+from bench.common import copy_bandwidth, machine, random_fp8_params, random_params, write_json
+from bench.profile import device_profile, print_profile
 from ling_jax.cache import cache_shapes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_loop
 from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
 
 
-def step_bytes(cfg: LingConfig, batch: int, ctx: int, itemsize: int = 2) -> dict[str, float]:
-    """Bytes one decode step must move (see the module docstring)."""
+def step_bytes(cfg: LingConfig, batch: int, ctx: int, itemsize: int = 2, fp8: bool = False) -> dict[str, float]:
+    """Bytes one decode step must move (see the module docstring); `fp8`: layer weights at 1 byte
+    (their scales, 1/16384 of them, left out), the lm_head at `itemsize`."""
     kinds = cfg.layer_kinds
     e, k = cfg.num_experts or 0, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch) if e else 0.0
@@ -49,14 +57,15 @@ def step_bytes(cfg: LingConfig, batch: int, ctx: int, itemsize: int = 2) -> dict
         else:
             d = cfg.hidden_size
             weights += d * e + 3 * d * cfg.shared_intermediate_size + touched * 3 * d * cfg.moe_intermediate_size
-    weights += cfg.hidden_size * cfg.vocab_size  # lm_head
+    weights *= 1 if fp8 else itemsize
+    weights += cfg.hidden_size * cfg.vocab_size * itemsize  # lm_head
     n_mla = sum(m == "mla" for m, _ in kinds)
     n_kda = len(kinds) - n_mla
     h, dh = cfg.num_attention_heads, cfg.head_dim
     latent = n_mla * batch * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
     state = n_kda * batch * h * dh * dh * 4 * 2
-    return {"weights": weights * itemsize, "latent_cache": float(latent), "kda_state": float(state),
-            "total": weights * itemsize + latent + state, "experts_touched_per_layer": touched}
+    return {"weights": weights, "latent_cache": float(latent), "kda_state": float(state),
+            "total": weights + latent + state, "experts_touched_per_layer": touched}
 
 
 def random_cache(cfg: LingConfig, batch: int, slots: int, ctx: int, dtype) -> dict:
@@ -82,19 +91,24 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scan", action="store_true", help="layer scans, not unrolled (decode_loop(unroll_layers=False))")
+    ap.add_argument("--fp8", action="store_true", help="FP8-resident layer weights (block 128x128)")
+    ap.add_argument("--profile", metavar="DIR", help="trace each configuration and print its kernel table")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.batches, args.contexts, args.steps, args.reps = "debug", [1, 4], [64, 300], 4, 1
     cfg = LingConfig.preset(args.preset)
     dtype = jnp.bfloat16
-    result = {**machine(), "preset": args.preset, "steps": args.steps, "dtype": "bfloat16", "runs": []}
+    result = {**machine(), "preset": args.preset, "steps": args.steps, "dtype": "bfloat16",
+              "unroll_layers": not args.scan, "fp8_resident": args.fp8, "runs": []}
     bw = copy_bandwidth(0.25 if args.smoke else 2.0)
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
-    params = jax.block_until_ready(random_params(cfg, dtype))
-    print(f"random {args.preset} params: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B "
+    params = jax.block_until_ready((random_fp8_params if args.fp8 else random_params)(cfg, dtype))
+    print(f"random {args.preset} params: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B, "
+          f"{sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9:.2f} GB "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     stop = jnp.asarray([-2], jnp.int32)
     zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
@@ -102,22 +116,27 @@ def main() -> None:
         slots = max(args.contexts) + args.steps
         logits = jax.random.normal(jax.random.key(b), (b, cfg.vocab_size), jnp.float32)
         for ctx in args.contexts:
+            state = {"cache": random_cache(cfg, b, slots, ctx, dtype)}
+
+            def call(state=state, logits=logits):  # continues from the donated cache the last call returned
+                out, counts, state["cache"] = decode_loop(cfg, params, state["cache"], logits, args.steps,
+                                                          jax.random.key(0), zero, no_k, one, stop,
+                                                          unroll_layers=not args.scan)
+                return out, counts
+
+            jax.block_until_ready(state["cache"])
             times, compile_s = [], None
             for rep in range(args.reps + 1):
-                cache = jax.block_until_ready(random_cache(cfg, b, slots, ctx, dtype))
                 t = time.perf_counter()
-                out, counts, _ = decode_loop(cfg, params, cache, logits, args.steps, jax.random.key(0),
-                                             zero, no_k, one, stop)
-                jax.block_until_ready(out)
+                out, counts = jax.block_until_ready(call())
                 dt = time.perf_counter() - t
                 if rep == 0:
                     compile_s = dt
                 else:
                     times.append(dt)
-                del cache
             assert int(np.min(np.asarray(counts))) == args.steps
             ms = 1e3 * float(np.median(times)) / args.steps
-            need = step_bytes(cfg, b, ctx)
+            need = step_bytes(cfg, b, ctx, fp8=args.fp8)
             floor_ms = 1e3 * need["total"] / bw
             run = {"batch": b, "context": ctx, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms,
                    "hbm_floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "bytes_per_step": need,
@@ -125,6 +144,11 @@ def main() -> None:
             result["runs"].append(run)
             print(f"B={b:4d} ctx={ctx:6d}: {ms:8.3f} ms/step  {b * 1e3 / ms:10.1f} tok/s  floor {floor_ms:.3f} ms "
                   f"({ms / floor_ms:.2f}x)  [first call {compile_s:.1f} s]", flush=True)
+            if args.profile:
+                run["profile"] = prof = device_profile(call, f"{args.profile}/b{b}_c{ctx}")
+                prof["ms_per_step_busy"] = 1e3 * prof["device_busy_s_per_call"] / args.steps
+                prof["kernels_per_step"] = prof["kernels_per_call"] / args.steps
+                print_profile(prof)
             write_json(args.out, result)
     print(f"wrote {write_json(args.out, result)}")
 

@@ -57,8 +57,11 @@ def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.A
     return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
 
 
-def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Array) -> tuple[Cache, jax.Array]:
-    """One token per row at position cache["lengths"]: (updated cache, logits [B, V] float32)."""
+def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Array,
+                unroll: bool = False) -> tuple[Cache, jax.Array]:
+    """One token per row at position cache["lengths"]: (updated cache, logits [B, V] float32).
+
+    `unroll`: the layer scans unrolled (see `run_stack`)."""
     lengths = cache["lengths"]
     cos, sin = rope_cos_sin(lengths[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
 
@@ -72,7 +75,7 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
         x, new, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))
         return x, new
 
-    x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"])
+    x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"], unroll=unroll)
     rows = jnp.arange(tokens_B.shape[0])
 
     def merge(seg_cache: dict, seg_new: Any) -> dict:
@@ -80,11 +83,13 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
             return {"latent": seg_cache["latent"].at[:, rows, lengths].set(seg_new)}
         return seg_new
 
-    segs = []
-    for seg, c, y in zip(cfg.segments, cache["segments"], new, strict=True):
-        segs.append(merge(c, y) if seg.kind == "run" else {k: merge(c[k], y[k]) for k in c})
-    h = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
-    return place({"segments": segs, "lengths": lengths + 1}), lm_head(cfg, params, h)
+    with jax.named_scope("cache_write"):
+        segs = []
+        for seg, c, y in zip(cfg.segments, cache["segments"], new, strict=True):
+            segs.append(merge(c, y) if seg.kind == "run" else {k: merge(c[k], y[k]) for k in c})
+    with jax.named_scope("lm_head"):
+        logits = lm_head(cfg, params, rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps))
+    return place({"segments": segs, "lengths": lengths + 1}), logits
 
 
 def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -107,16 +112,20 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
     return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("unroll_layers",), donate_argnums=(2,))
 def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
                 key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_S: jax.Array, n_new: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+                stop_S: jax.Array, n_new: jax.Array | None = None, *,
+                unroll_layers: bool = True) -> tuple[jax.Array, jax.Array, Cache]:
     """Generates up to `n_new` (default `max_new`) tokens per row: (tokens [B, max_new], count per row
     [B], final cache). `max_new` only sizes the output buffer (static); `n_new` is traced, so calls
     asking for different numbers of tokens within one buffer size share a compilation.
 
     A row stops after emitting a token of `stop_S`; the loop ends when every row has stopped.
     The cache is donated and returned, so the loop updates it in place (no second copy).
+    `unroll_layers` (default) compiles the step as one straight-line program over the layers
+    (`run_stack`): on an H200 a Ling-3.0-tiny step took 5.9 instead of 12.7 ms at batch 1 (the
+    scans copied every layer's cache slice in and out), for ~3x the compile time.
     """
     b = logits_BV.shape[0]
     limit = jnp.int32(max_new) if n_new is None else jnp.minimum(n_new, max_new)
@@ -127,10 +136,11 @@ def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Ar
 
     def body(state):
         step, cache, logits, out, done = state
-        tok = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
+        with jax.named_scope("sample"):
+            tok = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
         out = out.at[:, step].set(jnp.where(done, -1, tok))
         done = done | jnp.isin(tok, stop_S)
-        cache, logits = decode_step(cfg, params, cache, tok)
+        cache, logits = decode_step(cfg, params, cache, tok, unroll_layers)
         return step + 1, cache, logits, out, done
 
     init = (jnp.int32(0), cache, logits_BV, jnp.full((b, max_new), -1, jnp.int32), jnp.zeros((b,), bool))

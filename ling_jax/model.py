@@ -82,13 +82,15 @@ def decoder_layer(
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
     p = dense_weights(p, x_BTD.dtype)  # FP8-resident weights: this layer's, dequantized here
-    a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
+    with jax.named_scope("mixer"):  # named scopes label the compiled ops (profiles: bench/profile.py)
+        a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
     x_BTD = x_BTD + a
     h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
-    if ffn == "dense":
-        f, aux = mlp(h, p["mlp"]["gate_proj"], p["mlp"]["up_proj"], p["mlp"]["down_proj"]), {}
-    else:
-        f, aux = moe(p["mlp"], h, cfg=cfg, limit=limits[0], shared_limit=limits[1])
+    with jax.named_scope("ffn"):
+        if ffn == "dense":
+            f, aux = mlp(h, p["mlp"]["gate_proj"], p["mlp"]["up_proj"], p["mlp"]["down_proj"]), {}
+        else:
+            f, aux = moe(p["mlp"], h, cfg=cfg, limit=limits[0], shared_limit=limits[1])
     return x_BTD + f, mixer_out, aux
 
 
@@ -112,12 +114,14 @@ LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Ar
 
 
 def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
-              caches: list[Any] | None = None) -> tuple[jax.Array, list[Any]]:
+              caches: list[Any] | None = None, unroll: bool = False) -> tuple[jax.Array, list[Any]]:
     """Runs every main layer through `layer_fn(p, x, limits, layer cache, mixer, ffn) -> (x, y)`.
 
     `caches` (optional) are stacked like the params and fed to the layers as scan inputs; the
     per-layer outputs `y` come back stacked the same way: one entry per segment, `run` entries
     with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
+    `unroll` unrolls the scans into a straight-line program (one decode step: no loop overhead
+    between layers, at the cost of compiling every layer separately).
     """
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
@@ -128,7 +132,8 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
                 p, lim, c = xs
                 return layer_fn(p, x, lim, c, mixer, ffn)
 
-            x, ys = jax.lax.scan(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs))
+            x, ys = jax.lax.scan(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
+                                 unroll=unroll)
             ys_all.append(ys)
             continue
         g = seg.kda_per_group + 1
@@ -142,13 +147,13 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
-                x, ys_k = jax.lax.scan(kda_body, x, (pk, lk, ck))
+                x, ys_k = jax.lax.scan(kda_body, x, (pk, lk, ck), unroll=unroll)
             x, y_m = layer_fn(pm, x, lm, cm, "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
         xs = (sp.get("kda"), sp["mla"], _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
               _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), None if cs is None else cs["mla"])
-        x, ys = jax.lax.scan(group, x, xs)
+        x, ys = jax.lax.scan(group, x, xs, unroll=unroll)
         ys_all.append(ys)
     return x, ys_all
 

@@ -17,15 +17,15 @@ from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops.attention import attention_mask
 from ling_jax.params import init_params, layer_params
 
-_step = jax.jit(decode_step, static_argnums=0)
+_step = jax.jit(decode_step, static_argnums=(0, 4))
 
 
-def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len):
+def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len, unroll=False):
     """Logits of prefill then one decode step per forced token: [B, N + 1, V]."""
     cache, logits = prefill(cfg, params, prompt_BT, lengths, max_len)
     out = [logits]
     for s in range(forced_BN.shape[1]):
-        cache, logits = _step(cfg, params, cache, forced_BN[:, s])
+        cache, logits = _step(cfg, params, cache, forced_BN[:, s], unroll)
         out.append(logits)
     return jnp.stack(out, axis=1)
 
@@ -47,8 +47,10 @@ def debug_model():
     return cfg, init_params(cfg, seed=3)
 
 
-def test_decode_equals_forward(debug_model):
-    """Prefill of right-padded prompts + decode steps == one forward over each whole sequence."""
+@pytest.mark.parametrize("unroll", [False, True], ids=["layer_scans", "unrolled"])
+def test_decode_equals_forward(debug_model, unroll):
+    """Prefill of right-padded prompts + decode steps == one forward over each whole sequence,
+    with the decode step's layers in scans and unrolled (what `decode_loop` runs by default)."""
     cfg, params = debug_model
     rng = np.random.default_rng(0)
     lengths = np.array([9, 4])
@@ -56,7 +58,7 @@ def test_decode_equals_forward(debug_model):
     prompt = full[:, :9].copy()
     prompt[1, 4:] = 0  # padding after the short prompt
     forced = np.stack([full[0, 9:15], full[1, 4:10]])
-    got = _teacher_forced(cfg, params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.asarray(forced), 16)
+    got = _teacher_forced(cfg, params, jnp.asarray(prompt), jnp.asarray(lengths), jnp.asarray(forced), 16, unroll)
     for r, n in enumerate(lengths):
         seq = np.concatenate([full[r, :n], forced[r]])[None]
         want = ling_jax.forward(cfg, params, jnp.asarray(seq))[0, n - 1 :]

@@ -104,7 +104,8 @@ def kda_mixer(
     b, t, _ = x_BTD.shape
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype
-    qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+    with jax.named_scope("qkv"):
+        qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
@@ -120,16 +121,17 @@ def kda_mixer(
         f_BTHK = jnp.where(valid_BT[..., None, None],
                            kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound), 0.0)
         gate_kw = {}
-    if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
-        g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
-        o_BHV, state = kda_decode_step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
-                                       g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
-        o_BTHV = o_BHV[:, None]
-    else:
-        o_BTHV, state = _sharded_kda(
-            dict(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH,
-                 initial_state=None if cache is None else cache["state"], segment_ids=segment_ids, **gate_kw),
-            cfg=cfg, scale=dh**-0.5)
+    with jax.named_scope("recurrence"):
+        if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
+            g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
+            o_BHV, state = kda_decode_step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
+                                           g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
+            o_BTHV = o_BHV[:, None]
+        else:
+            o_BTHV, state = _sharded_kda(
+                dict(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH,
+                     initial_state=None if cache is None else cache["state"], segment_ids=segment_ids, **gate_kw),
+                cfg=cfg, scale=dh**-0.5)
     z_BTHV = _proj(x_BTD, p, "g").reshape(b, t, h, dh)
     o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
     out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)

@@ -128,18 +128,21 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
     call (the global batch under a mesh) — what the aux-loss-free bias update needs.
     """
     x_ND = x.reshape(-1, x.shape[-1])
-    idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg)
+    with jax.named_scope("router"):
+        idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg)
     mesh = sharding.context_mesh()
     sizes = sharding.axis_sizes(mesh)
-    if mesh is None or math.prod(sizes.values()) == 1:
-        y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
-                              limit=limit, impl=cfg.moe_impl)
-        counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
-    else:
-        y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
-                                         limit=limit, impl=cfg.moe_impl, mesh=mesh)
+    with jax.named_scope("routed"):
+        if mesh is None or math.prod(sizes.values()) == 1:
+            y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
+                                  limit=limit, impl=cfg.moe_impl)
+            counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
+        else:
+            y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
+                                             limit=limit, impl=cfg.moe_impl, mesh=mesh)
     if "shared_gate_proj" in p:
-        y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"],
-                          shared_limit)
+        with jax.named_scope("shared"):
+            y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"],
+                              shared_limit)
     aux = {"topk_idx": idx_NK, "topk_weight": w_NK, "logits": logits_NE, "expert_counts": counts_E}
     return y_ND.reshape(x.shape), aux

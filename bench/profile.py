@@ -1,0 +1,126 @@
+"""Where a jitted call's device time goes: a `jax.profiler` trace summarised per kernel.
+
+    summary = device_profile(lambda: f(x), "/tmp/trace", calls=3)
+
+Reads the trace's device plane (XLA's GPU trace has one line per CUDA stream, one event per
+kernel or copy) through `jax.profiler.ProfileData`, so no TensorBoard/xprof is needed. The
+summary tells a launch-bound program (device busy for a small share of the wall time, many short
+kernels) from a bandwidth- or compute-bound one (busy ~ wall, a few long kernels).
+
+With `hlo_dir` (by default the `--xla_dump_to` of XLA_FLAGS: run with
+`XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"` to get the optimised HLO) each kernel is
+traced back to the JAX op path its fusion came from (HLO metadata: the `jax.named_scope`s of the
+model code, then the primitive), and the time is also summed per op path: which part of the model
+costs what.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def _device_events(path: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every event on the first accelerator plane's stream lines."""
+    data = jax.profiler.ProfileData.from_file(path)
+    planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
+    if not planes:
+        return []
+    events = []
+    for line in planes[0].lines:
+        if not line.name.lower().startswith("stream"):
+            continue
+        events += [(e.name, int(e.start_ns), int(e.end_ns)) for e in line.events]
+    return events
+
+
+def _busy_ns(events: list[tuple[str, int, int]]) -> int:
+    """Length of the union of the events' intervals (overlapping streams counted once)."""
+    busy, end = 0, -1
+    for _, s, e in sorted(events, key=lambda x: x[1]):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy
+
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
+
+
+def hlo_op_paths(hlo_dir: str) -> dict[str, str]:
+    """Instruction name -> its JAX op path (named scopes / primitive) from the optimised-HLO text dumps."""
+    out: dict[str, str] = {}
+    for path in glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt")):
+        with open(path) as f:
+            for line in f:
+                m = _HLO_LINE.match(line)
+                if not m:
+                    continue
+                op = re.search(r'op_name="([^"]*)"', m.group(2))
+                if op:  # drop the jit(...) root and the loop plumbing, keep the named scopes and the op
+                    parts = [q for q in op.group(1).split("/")[1:]
+                             if q not in ("while", "body", "cond", "closed_call", "eval_jaxpr")]
+                    out.setdefault(m.group(1).replace(".", "_"), "/".join(parts))  # kernels use "_" for "."
+    return out
+
+
+def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: int = 25,
+                   hlo_dir: str | None = None) -> dict[str, Any]:
+    """Traces `calls` synchronised calls of fn() (call it once before, to compile) and summarises them.
+
+    Returns wall seconds per call, device busy seconds per call (union of kernel intervals), the
+    number of kernels per call, and the `top` kernels by total time with their count and mean.
+    """
+    os.makedirs(logdir, exist_ok=True)
+    jax.profiler.start_trace(logdir)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        jax.block_until_ready(fn())
+    wall = (time.perf_counter() - t0) / calls
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
+    events = _device_events(path)
+    per_name: dict[str, list[int]] = collections.defaultdict(list)
+    for name, s, e in events:
+        per_name[name].append(e - s)
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    dumped = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    hlo_dir = hlo_dir or (dumped.group(1) if dumped else None)
+    paths = hlo_op_paths(hlo_dir) if hlo_dir else {}
+    per_path: dict[str, list[int]] = collections.defaultdict(list)
+    for name, d in rows:
+        per_path[paths.get(name, "?")] += d
+    path_rows = sorted(per_path.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "wall_s_per_call": wall,
+        "device_busy_s_per_call": _busy_ns(events) / 1e9 / calls,
+        "kernel_time_s_per_call": sum(e - s for _, s, e in events) / 1e9 / calls,
+        "kernels_per_call": len(events) / calls,
+        "top_kernels": [{"name": n[:120], "op_path": paths.get(n, ""), "count_per_call": len(d) / calls,
+                         "total_ms_per_call": sum(d) / 1e6 / calls, "mean_us": sum(d) / len(d) / 1e3}
+                        for n, d in rows[:top]],
+        "by_op_path": [{"name": n, "count_per_call": len(d) / calls, "total_ms_per_call": sum(d) / 1e6 / calls,
+                            "mean_us": sum(d) / len(d) / 1e3} for n, d in path_rows[:top]] if paths else [],
+    }
+
+
+def print_profile(summary: dict[str, Any]) -> None:
+    """The summary as a few readable lines."""
+    wall, busy = summary["wall_s_per_call"], summary["device_busy_s_per_call"]
+    print(f"  wall {wall * 1e3:.2f} ms/call, device busy {busy * 1e3:.2f} ms ({100 * busy / max(wall, 1e-12):.0f}%), "
+          f"{summary['kernels_per_call']:.0f} kernels/call", flush=True)
+    for r in summary["top_kernels"]:
+        print(f"    {r['total_ms_per_call']:8.3f} ms  {r['count_per_call']:7.1f} x {r['mean_us']:8.1f} us  {r['name']}"
+              f"  {r['op_path']}", flush=True)
+    if summary["by_op_path"]:
+        print("  by op path:", flush=True)
+    for r in summary["by_op_path"]:
+        print(f"    {r['total_ms_per_call']:8.3f} ms  {r['count_per_call']:7.1f} x {r['mean_us']:8.1f} us  {r['name']}",
+              flush=True)
