@@ -24,7 +24,7 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
-MOE_IMPLS = ("auto", "ragged", "dense", "gather", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
+MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
 
 
 class ConfigError(ValueError):

@@ -40,3 +40,13 @@ def golden_fp8():
 
     cfg, params = ling_jax.load_hf_checkpoint(GOLDEN / "ling3_tiny_a_fp8", dtype="float32")
     return cfg, params, dict(np.load(GOLDEN / "ling3_tiny_a_fp8" / "golden.npz"))
+
+
+@pytest.fixture
+def h200_lowering(monkeypatch):
+    """Lets Pallas lower Triton kernels for platform "cuda" on this CPU box, as for an H200 (no device needed)."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    if not hasattr(gpu_info, "registry"):
+        pytest.skip("this jax has no GPU-info registry to describe an H200 with")
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind,
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))

@@ -18,6 +18,9 @@ Both sort the token copies by expert and run one grouped matmul per projection o
           against (tiny shapes only).
   gather  each token copy multiplies its own expert's gathered weights: reads only the chosen
           experts, no sort, no grouped-matmul launch — for decode-sized batches.
+  gemv    the same products through the Pallas kernel of `ops.expert_gemv` (reads each chosen
+          expert's weights by rows; interpret mode off GPU). Forward only; opt-in until timed
+          on a GPU against `gather`.
   auto    gather when there are at most GATHER_MAX_COPIES token copies (decode), else mgpu on an
           sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
@@ -36,8 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
+from ling_jax.ops import expert_gemv
 
-IMPLS = ("auto", "ragged", "dense", "gather", "mgpu", "gmm")
+IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
 
@@ -252,6 +256,14 @@ def routed_partial(
         u_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_up_LDI[sel_NK].astype(dt))
         y_NKD = jnp.einsum("nki,nkid->nkd", swiglu_act(g_NKI, u_NKI, limit), w_down_LID[sel_NK].astype(dt))
         return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
+    if impl == "gemv":
+        dt = x_ND.dtype
+        sel_M = jnp.where(is_local_NK, local_NK, 0).reshape(-1)
+        g_MI, u_MI = expert_gemv.gathered_products(jnp.repeat(x_ND, k, axis=0), sel_M,
+                                                   (w_gate_LDI.astype(dt), w_up_LDI.astype(dt)))
+        h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
+        (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (w_down_LID.astype(dt),))
+        return combine(y_MD.astype(dt).reshape(n, k, -1), jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
     if impl == "dense":
         dt = x_ND.dtype
         g = jnp.einsum("nd,edi->nei", x_ND, w_gate_LDI.astype(dt))

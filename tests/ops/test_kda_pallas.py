@@ -218,12 +218,7 @@ def _export_fwd_and_grad(backend: str, platform: str):
         assert exp.mlir_module()
 
 
-def test_triton_lowering(monkeypatch):
-    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-    if not hasattr(gpu_info, "registry"):
-        pytest.skip("this jax has no GPU-info registry to describe an H200 with")
-    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind,
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+def test_triton_lowering(h200_lowering):
     _export_fwd_and_grad("triton", "cuda")
 
 
