@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,17 @@ def test_decode_equals_forward(debug_model, unroll):
         seq = np.concatenate([full[r, :n], forced[r]])[None]
         want = ling_jax.forward(cfg, params, jnp.asarray(seq))[0, n - 1 :]
         assert rel_l2(got[r], want) < 1e-5, f"row {r}"
+
+
+def test_pallas_latent_attention_in_the_decode_step(debug_model):
+    """mla_decode_impl="pallas" (one kernel per MLA layer) gives the XLA loop's step logits."""
+    cfg, params = debug_model
+    rng = np.random.default_rng(5)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
+    lengths, forced = jnp.asarray([9, 6]), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)))
+    want = _teacher_forced(cfg, params, prompt, lengths, forced, 16)
+    pallas = dataclasses.replace(cfg, mla_decode_impl="pallas")
+    assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16), want) < 1e-5
 
 
 def test_absorbed_equals_expanded_attention(debug_model):

@@ -17,6 +17,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention
+from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
@@ -97,8 +98,8 @@ def mla_decode(
     w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
     q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
     q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
+    attend = latent_attention_pallas if cfg.mla_decode_impl == "pallas" else latent_attention
     with jax.named_scope("latent_attention"):
-        m_BHR = latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, rank=cfg.kv_lora_rank,
-                                 scale=cfg.qk_head_dim**-0.5)
+        m_BHR = attend(q_BHW, latent_BSW, lengths_B, new_BW, rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
     o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
     return mla_output(p, o_BHV[:, None], x_B1D)[:, 0], new_BW

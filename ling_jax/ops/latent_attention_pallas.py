@@ -1,0 +1,135 @@
+"""Absorbed-MLA decode attention over the latent cache as one Pallas kernel per layer (split-K).
+
+`ops.mla_decode.latent_attention` walks the cache in a `while` loop of XLA ops: on an H200 each
+1,024-slot block costs ~14 small kernels and a device-to-host read of the loop predicate (~27 us),
+which adds ~5 ms per step at a 32k context (BENCHMARKS.md). Here one kernel does the whole walk:
+the grid is (row, block of 16 heads, split of the cache), each program runs an online softmax over
+its split's blocks up to the row's length (a loop with a dynamic bound: unused slots are never
+read), and XLA merges the splits' (max, sum, weighted latent) with the current token's row.
+Splits are chosen so the grid fills the GPU at batch 1 and stays one split per row at large batch.
+
+Triton lowering on GPU; interpret mode elsewhere (tests). Needs the latent rank and rope width to
+be powers of two (Ling: 512 and 64), see `supported`. Used by `mla_decode` when the config's
+`mla_decode_impl` is "pallas".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+BK = 32  # cache slots per loop step
+BH = 16  # heads per program (the smallest dot Triton issues)
+TARGET_PROGRAMS = 264  # two per SM on an H200
+NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supported(rank: int, rope: int, slots: int) -> bool:
+    """Whether the kernel handles a latent of `rank` + `rope` and a cache of `slots` rows."""
+    return _pow2(rank) and _pow2(rope) and slots % BK == 0
+
+
+def _splits(batch: int, head_blocks: int, blocks: int) -> int:
+    """Cache splits per (row, head block): the divisor of `blocks` closest below the target fill."""
+    want = max(1, math.ceil(TARGET_PROGRAMS / (batch * head_blocks)))
+    return max(d for d in range(1, min(want, blocks) + 1) if blocks % d == 0)
+
+
+def _precision(x: jax.Array) -> jax.lax.Precision:
+    """float32 caches: IEEE float32 dots (not TF32); bf16: the plain bf16 MMA."""
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _scores(a, b):
+    """a [M, D] . b [N, D]^T -> [M, N] float32 (a dot where Triton can issue one, else a sum)."""
+    if min(a.shape[0], a.shape[1], b.shape[0]) >= 16:
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                                   preferred_element_type=jnp.float32)
+    return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=-1)
+
+
+def _kernel(len_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int, span: int, scale: float):
+    b, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = sp * span
+    stop = jnp.minimum(start + span, len_ref[b])
+    n_blocks = jnp.maximum(stop - start + BK - 1, 0) // BK
+    heads = pl.ds(hb * BH, BH)
+    q_lat = q_ref[b, heads, pl.ds(0, rank)]  # [BH, r]
+    q_rot = q_ref[b, heads, pl.ds(rank, rope)]  # [BH, d_r]
+
+    def body(i, carry):
+        m, l, acc = carry
+        pos = start + i * BK
+        valid = (pos + jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)) < stop  # [BK, 1]
+        c_lat = jnp.where(valid, c_ref[b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past the
+        c_rot = c_ref[b, pl.ds(pos, BK), pl.ds(rank, rope)]  # length are zeroed: stale slots never count
+        s = (_scores(q_lat, c_lat) + _scores(q_rot, c_rot)) * scale  # [BH, BK]
+        s = jnp.where(valid.reshape(1, BK), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        pv = jax.lax.dot_general(p.astype(c_lat.dtype), c_lat, (((1,), (0,)), ((), ())),
+                                 precision=_precision(c_lat), preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    init = (jnp.full((BH,), NEG, jnp.float32), jnp.zeros((BH,), jnp.float32), jnp.zeros((BH, rank), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
+                            rank: int, scale: float, interpret: bool | None = None) -> jax.Array:
+    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel."""
+    b, h, w = q_BHW.shape
+    s = cache_BSW.shape[1]
+    rope = w - rank
+    if not supported(rank, rope, s):
+        raise ValueError(f"latent_attention_pallas: rank={rank}, rope={rope} must be powers of two and "
+                         f"the cache's {s} slots a multiple of {BK}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    hp = -(-h // BH) * BH
+    q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_BSW.dtype)  # zero heads: sliced off below
+    n_hb = hp // BH
+    n_sp = _splits(b, n_hb, s // BK)
+    span = s // n_sp
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    full = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in (lengths_B, q, cache_BSW)]
+    part = pl.BlockSpec((None, None, None, BH), lambda bi, hi, si: (bi, si, hi, 0))
+    m_bsh, l_bsh, acc = pl.pallas_call(
+        functools.partial(_kernel, rank=rank, rope=rope, span=span, scale=scale),
+        out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
+        + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
+        grid=(b, n_hb, n_sp),
+        in_specs=full,
+        out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
+        interpret=interpret,
+        name="latent_attention",
+        **kwargs,
+    )(lengths_B.astype(jnp.int32), q, cache_BSW)
+    m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
+    l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
+    acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]
+    # merge the splits with the current token's row (always visible, so the maximum is finite)
+    s_new_BH = jnp.einsum("bhw,bw->bh", q_BHW, new_BW, preferred_element_type=jnp.float32) * scale
+    m_BH = jnp.maximum(s_new_BH, m_BSH.max(axis=1))
+    w_BSH = jnp.exp(m_BSH - m_BH[:, None])
+    w_new_BH = jnp.exp(s_new_BH - m_BH)
+    l_BH = w_new_BH + jnp.sum(l_BSH * w_BSH, axis=1)
+    acc_BHR = w_new_BH[..., None] * new_BW[:, None, :rank].astype(jnp.float32) + jnp.einsum(
+        "bsh,bshr->bhr", w_BSH, acc_BSHR)
+    return acc_BHR / l_BH[..., None]

@@ -1,0 +1,63 @@
+"""The one-kernel latent decode attention against the XLA blocked loop (`ops.mla_decode`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_l2
+
+from ling_jax.ops.latent_attention_pallas import latent_attention_pallas, supported
+from ling_jax.ops.mla_decode import latent_attention
+
+
+def _case(seed, b, h, r, dr, s, dtype):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, h, r + dr)), dtype)
+    cache = jnp.asarray(rng.standard_normal((b, s, r + dr)), dtype)
+    new = jnp.asarray(rng.standard_normal((b, r + dr)), dtype)
+    return q, cache, new
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,h,r,dr,lengths", [
+    (1, 16, 64, 16, [1023]),  # one row: the cache is split over many programs
+    (4, 2, 32, 8, [0, 1, 33, 1000]),  # 2 heads padded to 16; empty, one-slot, partial-block rows
+    (3, 20, 32, 16, [31, 32, 64]),  # a second head block of 4 real heads; lengths on block edges
+])
+def test_equals_xla_loop(dtype, tol, b, h, r, dr, lengths):
+    q, cache, new = _case(len(lengths), b, h, r, dr, 1024, dtype)
+    ln = jnp.asarray(lengths, jnp.int32)
+    got = latent_attention_pallas(q, cache, ln, new, rank=r, scale=0.1)
+    want = latent_attention(q.astype(jnp.float32), cache.astype(jnp.float32), ln, new.astype(jnp.float32),
+                            rank=r, scale=0.1)
+    assert got.shape == want.shape and rel_l2(got, want) < tol
+
+
+def test_unused_slots_are_never_read():
+    """Slots at or past a row's length (here NaN) do not reach the output."""
+    q, cache, new = _case(0, 2, 16, 32, 8, 1024, jnp.float32)
+    ln = jnp.asarray([100, 700], jnp.int32)
+    poisoned = jnp.where(jnp.arange(1024)[None, :, None] >= ln[:, None, None], jnp.nan, cache)
+    got = latent_attention_pallas(q, poisoned, ln, new, rank=32, scale=0.1)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.1)) < 1e-6
+
+
+def test_unsupported_shapes_raise():
+    assert supported(512, 64, 33792) and not supported(96, 64, 1024) and not supported(512, 64, 1000)
+    q, cache, new = _case(0, 1, 2, 24, 8, 64, jnp.float32)
+    with pytest.raises(ValueError, match="powers of two"):
+        latent_attention_pallas(q, cache, jnp.asarray([3], jnp.int32), new, rank=24, scale=0.1)
+
+
+def test_triton_lowering(h200_lowering):
+    """Lowers to Triton for an H200 at Ling-3.0-tiny (16 heads, 32k cache) and 3.1-flash (64 heads, batch 128)."""
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    fn = jax.jit(lambda q, c, n, x: latent_attention_pallas(q, c, n, x, rank=512, scale=0.07, interpret=False))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for b, h, s in ((1, 16, 33792), (128, 64, 4096)):
+        exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(
+            sd((b, h, 576), bf), sd((b, s, 576), bf), sd((b,), jnp.int32), sd((b, 576), bf))
+        assert "triton" in exp.mlir_module()
