@@ -94,17 +94,17 @@ def main() -> None:
     ap.add_argument("--scan", action="store_true", help="layer scans, not unrolled (decode_loop(unroll_layers=False))")
     ap.add_argument("--fp8", action="store_true", help="FP8-resident layer weights (block 128x128)")
     ap.add_argument("--moe-impl", default="auto", help="the config's moe_impl (e.g. gemv: the Pallas decode kernel)")
-    ap.add_argument("--mla-decode-impl", default="auto", help="the config's mla_decode_impl (xla or pallas)")
+    ap.add_argument("--decode-impl", default="auto", help="the config's decode_impl (xla or pallas)")
     ap.add_argument("--profile", metavar="DIR", help="trace each configuration and print its kernel table")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.batches, args.contexts, args.steps, args.reps = "debug", [1, 4], [64, 300], 4, 1
-    cfg = LingConfig.preset(args.preset, moe_impl=args.moe_impl, mla_decode_impl=args.mla_decode_impl)
+    cfg = LingConfig.preset(args.preset, moe_impl=args.moe_impl, decode_impl=args.decode_impl)
     dtype = jnp.bfloat16
     result = {**machine(), "preset": args.preset, "steps": args.steps, "dtype": "bfloat16",
               "unroll_layers": not args.scan, "fp8_resident": args.fp8, "moe_impl": args.moe_impl,
-              "mla_decode_impl": args.mla_decode_impl, "runs": []}
+              "decode_impl": args.decode_impl, "runs": []}
     bw = copy_bandwidth(0.25 if args.smoke else 2.0)
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)

@@ -25,9 +25,10 @@ Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
 MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
-# decode attention over the latent cache: XLA blocked loop (ops.mla_decode) or one Pallas kernel
-# (ops.latent_attention_pallas); "auto" is "xla" until the kernel is timed on a GPU
-MLA_DECODE_IMPLS = ("auto", "xla", "pallas")
+# the decode step's attention ops: XLA (ops.mla_decode's blocked loop, ops.kda.decode's fused step)
+# or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" is "xla"
+# until the kernels are timed on a GPU
+DECODE_IMPLS = ("auto", "xla", "pallas")
 
 
 class ConfigError(ValueError):
@@ -166,7 +167,7 @@ class LingConfig:
     # --- runtime options (not in config.json) ---
     kda_impl: str = "auto"
     moe_impl: str = "auto"
-    mla_decode_impl: str = "auto"
+    decode_impl: str = "auto"
     swiglu_clamp: bool = True
     # the original JSON, kept to write it back on export (not compared, not hashed)
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)
@@ -230,7 +231,7 @@ class LingConfig:
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict of this config (original keys kept, our fields updated)."""
         d: dict[str, Any] = json.loads(self.hf_json) if self.hf_json else {}
-        runtime = {"kda_impl", "moe_impl", "mla_decode_impl", "swiglu_clamp", "hf_json", "quantization",
+        runtime = {"kda_impl", "moe_impl", "decode_impl", "swiglu_clamp", "hf_json", "quantization",
                    "eos_token_id"}
         for f in dataclasses.fields(self):
             if f.name not in runtime:
@@ -277,7 +278,7 @@ class LingConfig:
         need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
         need(self.kda_impl in KDA_IMPLS, "kda_impl", f"must be one of {KDA_IMPLS}")
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
-        need(self.mla_decode_impl in MLA_DECODE_IMPLS, "mla_decode_impl", f"must be one of {MLA_DECODE_IMPLS}")
+        need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
         if self.uses_moe:
             e = self.num_experts
             need(e is not None and e > 0, "num_experts", "must be positive")

@@ -116,5 +116,5 @@ def test_runtime_option_lists_match_the_implementations():
     from ling_jax.ops.moe import IMPLS as MOE
 
     assert set(KDA_IMPLS) == set(KDA) and set(MOE_IMPLS) == set(MOE)
-    with pytest.raises(ConfigError, match="mla_decode_impl"):
-        LingConfig.preset("debug", mla_decode_impl="triton")
+    with pytest.raises(ConfigError, match="decode_impl"):
+        LingConfig.preset("debug", decode_impl="triton")

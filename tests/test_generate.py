@@ -67,14 +67,14 @@ def test_decode_equals_forward(debug_model, unroll):
         assert rel_l2(got[r], want) < 1e-5, f"row {r}"
 
 
-def test_pallas_latent_attention_in_the_decode_step(debug_model):
-    """mla_decode_impl="pallas" (one kernel per MLA layer) gives the XLA loop's step logits."""
+def test_pallas_decode_kernels_in_the_decode_step(debug_model):
+    """decode_impl="pallas" (the latent-attention and KDA-step kernels) gives the XLA step's logits."""
     cfg, params = debug_model
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
     lengths, forced = jnp.asarray([9, 6]), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)))
     want = _teacher_forced(cfg, params, prompt, lengths, forced, 16)
-    pallas = dataclasses.replace(cfg, mla_decode_impl="pallas")
+    pallas = dataclasses.replace(cfg, decode_impl="pallas")
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16), want) < 1e-5
 
 

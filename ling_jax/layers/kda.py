@@ -18,7 +18,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import resolve_impl
-from ling_jax.ops.kda.decode import kda_decode_step
+from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.sharding import BATCH_AXES, axis_sizes, context_mesh, fit_spec
 
@@ -124,8 +124,9 @@ def kda_mixer(
     with jax.named_scope("recurrence"):
         if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
             g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
-            o_BHV, state = kda_decode_step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
-                                           g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
+            step = kda_decode_step_pallas if cfg.decode_impl == "pallas" else kda_decode_step
+            o_BHV, state = step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
+                                g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
             o_BTHV = o_BHV[:, None]
         else:
             o_BTHV, state = _sharded_kda(

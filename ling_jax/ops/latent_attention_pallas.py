@@ -10,7 +10,7 @@ Splits are chosen so the grid fills the GPU at batch 1 and stays one split per r
 
 Triton lowering on GPU; interpret mode elsewhere (tests). Needs the latent rank and rope width to
 be powers of two (Ling: 512 and 64), see `supported`. Used by `mla_decode` when the config's
-`mla_decode_impl` is "pallas". One device: GSPMD cannot split the kernel, so under a multi-device
+`decode_impl` is "pallas". One device: GSPMD cannot split the kernel, so under a multi-device
 mesh it would run on gathered operands (correct, not fast); the `shard_map` wrapper (rows over the
 token axes, as the cache is laid out) is left for when the kernel has been timed.
 """

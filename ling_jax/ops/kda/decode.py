@@ -1,13 +1,23 @@
 """One KDA token against a cached state: the decode-loop path of `kimi_delta_attention`.
 
 At one token per step the recurrence is a rank-1 update of the [K, V] state; reading and writing
-that state once is the whole cost, which plain XLA fuses into one pass.
+that state once is the whole cost. `kda_decode_step` is the XLA form; on an H200 XLA spends 19 us
+on each of its two state products for a 1 MB state (BENCHMARKS.md: it walks the state with K
+fastest). `kda_decode_step_pallas` does the step in one kernel, one pass over the state: programs
+over (row, head, block of V columns), each holding its [K, BV] slice, written back in place.
+Triton lowering on GPU, interpret mode elsewhere; not yet timed (the config's `decode_impl`
+"pallas" selects it, with the latent-attention kernel).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+BV = 32  # state columns per program
 
 
 def kda_decode_step(
@@ -22,3 +32,52 @@ def kda_decode_step(
     s = s + k[..., :, None] * u_BHV[..., None, :]
     o_BHV = jnp.einsum("bhk,bhkv->bhv", q_BHK.astype(f32) * scale, s)
     return o_BHV.astype(v_BHV.dtype), s
+
+
+def pallas_supported(dk: int, dv: int) -> bool:
+    """Whether the kernel handles [K, V] states: both powers of two, at least 16."""
+    return dk & (dk - 1) == 0 and dv & (dv - 1) == 0 and dk >= 16 and dv >= 16
+
+
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale: float):
+    f32 = jnp.float32
+    k_K = k_ref[...].astype(f32)
+    s_KV = s_ref[...] * jnp.exp(g_ref[...].astype(f32))[:, None]
+    u_V = beta_ref[...].astype(f32) * (v_ref[...].astype(f32) - jnp.sum(k_K[:, None] * s_KV, axis=0))
+    s_KV = s_KV + k_K[:, None] * u_V[None, :]
+    o_ref[...] = jnp.sum((q_ref[...].astype(f32) * scale)[:, None] * s_KV, axis=0).astype(o_ref.dtype)
+    s_out_ref[...] = s_KV
+
+
+def kda_decode_step_pallas(
+    q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: jax.Array, beta_BH: jax.Array,
+    state_BHKV: jax.Array, *, scale: float, interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`kda_decode_step` as one Pallas kernel (same arguments and results); the state is updated in place."""
+    b, h, dk = q_BHK.shape
+    dv = v_BHV.shape[-1]
+    if not pallas_supported(dk, dv):
+        raise ValueError(f"kda_decode_step_pallas: K={dk} and V={dv} must be powers of two >= 16")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    bv = min(BV, dv)
+    vec_k = pl.BlockSpec((None, None, dk), lambda bi, hi, vi: (bi, hi, 0))
+    vec_v = pl.BlockSpec((None, None, bv), lambda bi, hi, vi: (bi, hi, vi))
+    state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, vi: (bi, hi, 0, vi))
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    o_BHV, s_BHKV = pl.pallas_call(
+        functools.partial(_step_kernel, scale=scale),
+        out_shape=[jax.ShapeDtypeStruct((b, h, dv), v_BHV.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
+        grid=(b, h, dv // bv),
+        in_specs=[vec_k, vec_k, vec_v, vec_k, pl.BlockSpec((None, None, 1), lambda bi, hi, vi: (bi, hi, 0)), state],
+        out_specs=[vec_v, state],
+        input_output_aliases={5: 1},
+        interpret=interpret,
+        name="kda_decode_step",
+        **kwargs,
+    )(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH[..., None], state_BHKV.astype(jnp.float32))
+    return o_BHV, s_BHKV
