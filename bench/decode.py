@@ -9,6 +9,8 @@ A Ling-3.0-tiny-shaped model (all 24 layers, random bf16 weights generated on th
 each batch size and context length. Caches are allocated once per batch size for the longest
 context and filled with random latents/states up to the context length (prefill is not timed):
 the decode attention walks only the used blocks, so the short context shares the allocation.
+Each timed call continues from the cache the previous one returned, so a call starts `steps`
+tokens further than the last (the recorded context is where the first call starts).
 
 HBM floor of one step = bytes that must move / measured copy bandwidth (bytes read + written of a
 bf16 elementwise pass, same run): every attention/dense/shared/router weight, the routed experts
@@ -45,20 +47,21 @@ from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
 
 def step_bytes(cfg: LingConfig, batch: int, ctx: int, itemsize: int = 2, fp8: bool = False) -> dict[str, float]:
     """Bytes one decode step must move (see the module docstring); `fp8`: layer weights at 1 byte
-    (their scales, 1/16384 of them, left out), the lm_head at `itemsize`."""
+    (their scales, 1/16384 of them, left out), the router and lm_head at `itemsize`."""
     kinds = cfg.layer_kinds
     e, k = cfg.num_experts or 0, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch) if e else 0.0
-    weights = 0.0
+    weights, router = 0.0, 0.0
     for mixer, ffn in kinds:
         weights += kda_matmul_params(cfg) if mixer == "kda" else mla_matmul_params(cfg)
         if ffn == "dense":
             weights += ffn_matmul_params(cfg, "dense")
         else:
             d = cfg.hidden_size
-            weights += d * e + 3 * d * cfg.shared_intermediate_size + touched * 3 * d * cfg.moe_intermediate_size
+            router += d * e  # never FP8 (an excluded module)
+            weights += 3 * d * cfg.shared_intermediate_size + touched * 3 * d * cfg.moe_intermediate_size
     weights *= 1 if fp8 else itemsize
-    weights += cfg.hidden_size * cfg.vocab_size * itemsize  # lm_head
+    weights += (router + cfg.hidden_size * cfg.vocab_size) * itemsize  # router, lm_head
     n_mla = sum(m == "mla" for m, _ in kinds)
     n_kda = len(kinds) - n_mla
     h, dh = cfg.num_attention_heads, cfg.head_dim
@@ -116,7 +119,8 @@ def main() -> None:
     stop = jnp.asarray([-2], jnp.int32)
     zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
     for b in args.batches:
-        slots = max(args.contexts) + args.steps
+        # every call continues the cache (warm-up, reps, 3 profiled calls): room for all their tokens
+        slots = max(args.contexts) + args.steps * (args.reps + 1 + (3 if args.profile else 0))
         logits = jax.random.normal(jax.random.key(b), (b, cfg.vocab_size), jnp.float32)
         for ctx in args.contexts:
             state = {"cache": random_cache(cfg, b, slots, ctx, dtype)}

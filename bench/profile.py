@@ -27,8 +27,8 @@ from typing import Any
 import jax
 
 
-def _device_events(path: str) -> list[tuple[str, int, int]]:
-    """(name, start ns, end ns) of every event on the first accelerator plane's stream lines."""
+def _device_events(path: str) -> list[tuple[str, int, int, int | None]]:
+    """(name, start ns, end ns, program id) of every event on the first accelerator plane's streams."""
     data = jax.profiler.ProfileData.from_file(path)
     planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
     if not planes:
@@ -37,14 +37,16 @@ def _device_events(path: str) -> list[tuple[str, int, int]]:
     for line in planes[0].lines:
         if not line.name.lower().startswith("stream"):
             continue
-        events += [(e.name, int(e.start_ns), int(e.end_ns)) for e in line.events]
+        for e in line.events:
+            pid = dict(e.stats).get("program_id")
+            events.append((e.name, int(e.start_ns), int(e.end_ns), None if pid is None else int(pid)))
     return events
 
 
-def _busy_ns(events: list[tuple[str, int, int]]) -> int:
+def _busy_ns(events: list[tuple[str, int, int, int | None]]) -> int:
     """Length of the union of the events' intervals (overlapping streams counted once)."""
     busy, end = 0, -1
-    for _, s, e in sorted(events, key=lambda x: x[1]):
+    for _, s, e, _ in sorted(events, key=lambda x: x[1]):
         if e > end:
             busy += e - max(s, end)
             end = e
@@ -54,10 +56,13 @@ def _busy_ns(events: list[tuple[str, int, int]]) -> int:
 _HLO_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
 
 
-def hlo_op_paths(hlo_dir: str) -> dict[str, str]:
-    """Instruction name -> its JAX op path (named scopes / primitive) from the optimised-HLO text dumps."""
-    out: dict[str, str] = {}
-    for path in glob.glob(os.path.join(hlo_dir, "*after_optimizations.txt")):
+def hlo_op_paths(hlo_dir: str) -> dict[tuple[int, str], str]:
+    """(module id, instruction name) -> its JAX op path (named scopes / primitive), from the optimised-HLO
+    text dumps (`module_<id>.<name>...after_optimizations.txt`; the id is the trace's `program_id`, so
+    equal fusion names in different compiled programs are told apart)."""
+    out: dict[tuple[int, str], str] = {}
+    for path in glob.glob(os.path.join(hlo_dir, "module_*after_optimizations.txt")):
+        module = int(re.match(r"module_(\d+)", os.path.basename(path)).group(1))
         with open(path) as f:
             for line in f:
                 m = _HLO_LINE.match(line)
@@ -67,7 +72,7 @@ def hlo_op_paths(hlo_dir: str) -> dict[str, str]:
                 if op:  # drop the jit(...) root and the loop plumbing, keep the named scopes and the op
                     parts = [q for q in op.group(1).split("/")[1:]
                              if q not in ("while", "body", "cond", "closed_call", "eval_jaxpr")]
-                    out.setdefault(m.group(1).replace(".", "_"), "/".join(parts))  # kernels use "_" for "."
+                    out.setdefault((module, m.group(1).replace(".", "_")), "/".join(parts))  # kernels: "_" for "."
     return out
 
 
@@ -87,23 +92,25 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
     jax.profiler.stop_trace()
     path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
     events = _device_events(path)
-    per_name: dict[str, list[int]] = collections.defaultdict(list)
-    for name, s, e in events:
-        per_name[name].append(e - s)
-    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     dumped = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     hlo_dir = hlo_dir or (dumped.group(1) if dumped else None)
     paths = hlo_op_paths(hlo_dir) if hlo_dir else {}
+    per_name: dict[str, list[int]] = collections.defaultdict(list)
+    name_path: dict[str, str] = {}
     per_path: dict[str, list[int]] = collections.defaultdict(list)
-    for name, d in rows:
-        per_path[paths.get(name, "?")] += d
+    for name, s, e, pid in events:
+        per_name[name].append(e - s)
+        path = paths.get((pid, name), "?") if pid is not None else "?"
+        name_path.setdefault(name, path)
+        per_path[path].append(e - s)
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     path_rows = sorted(per_path.items(), key=lambda kv: -sum(kv[1]))
     return {
         "wall_s_per_call": wall,
         "device_busy_s_per_call": _busy_ns(events) / 1e9 / calls,
-        "kernel_time_s_per_call": sum(e - s for _, s, e in events) / 1e9 / calls,
+        "kernel_time_s_per_call": sum(e - s for _, s, e, _ in events) / 1e9 / calls,
         "kernels_per_call": len(events) / calls,
-        "top_kernels": [{"name": n[:120], "op_path": paths.get(n, ""), "count_per_call": len(d) / calls,
+        "top_kernels": [{"name": n[:120], "op_path": name_path[n], "count_per_call": len(d) / calls,
                          "total_ms_per_call": sum(d) / 1e6 / calls, "mean_us": sum(d) / len(d) / 1e3}
                         for n, d in rows[:top]],
         "by_op_path": [{"name": n, "count_per_call": len(d) / calls, "total_ms_per_call": sum(d) / 1e6 / calls,

@@ -279,6 +279,11 @@ class LingConfig:
         need(self.kda_impl in KDA_IMPLS, "kda_impl", f"must be one of {KDA_IMPLS}")
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
+        if self.decode_impl == "pallas":  # the kernels' tiles are powers of two (Triton), KDA's >= 16
+            for name, least in (("kv_lora_rank", 1), ("qk_rope_head_dim", 1), ("head_dim", 16)):
+                v = getattr(self, name)
+                need(v >= least and v & (v - 1) == 0, name,
+                     f"must be a power of two >= {least} for decode_impl='pallas'")
         if self.uses_moe:
             e = self.num_experts
             need(e is not None and e > 0, "num_experts", "must be positive")

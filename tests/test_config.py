@@ -118,3 +118,5 @@ def test_runtime_option_lists_match_the_implementations():
     assert set(KDA_IMPLS) == set(KDA) and set(MOE_IMPLS) == set(MOE)
     with pytest.raises(ConfigError, match="decode_impl"):
         LingConfig.preset("debug", decode_impl="triton")
+    with pytest.raises(ConfigError, match="head_dim"):  # the Pallas decode kernels' tiles
+        LingConfig.preset("debug", decode_impl="pallas", head_dim=24)

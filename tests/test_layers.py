@@ -13,6 +13,7 @@ from ling_jax.layers.mlp import swiglu_act
 from ling_jax.layers.moe import route
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
+from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.moe import routed_experts
 
 
@@ -73,18 +74,23 @@ def test_router_group_limited_selection_and_weights():
 
 
 def test_ragged_experts_equal_dense_including_skew():
+    """Every impl against the dense reference, spread and all-on-three-experts routing; `gemv` at a
+    decode size (60 copies; above GATHER_MAX_COPIES it runs what `auto` picks) and tileable widths."""
     rng = np.random.default_rng(2)
-    n, d, e, i, k = 40, 16, 8, 16, 3
-    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((e, d, i)) * 0.2, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((e, i, d)) * 0.2, jnp.float32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
-    for idx in (rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k],  # spread
-                np.tile(np.array([5, 6, 7]), (n, 1))):  # every token on the same 3 experts
-        idx = jnp.asarray(idx, jnp.int32)
-        b = routed_experts(x, idx, w, wg, wu, wd, impl="dense", limit=0.5)
-        for impl in ("ragged", "gather", "gemv"):
-            assert rel_l2(routed_experts(x, idx, w, wg, wu, wd, impl=impl, limit=0.5), b) < 1e-6, impl
+    e, k = 8, 3
+    for n, d, i, impls in ((40, 16, 12, ("ragged", "gather")), (20, 32, 16, ("ragged", "gather", "gemv"))):
+        x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+        wg, wu = (jnp.asarray(rng.standard_normal((e, d, i)) * 0.2, jnp.float32) for _ in range(2))
+        wd = jnp.asarray(rng.standard_normal((e, i, d)) * 0.2, jnp.float32)
+        w = jnp.asarray(rng.random((n, k)), jnp.float32)
+        for idx in (rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k],  # spread
+                    np.tile(np.array([5, 6, 7]), (n, 1))):  # every token on the same 3 experts
+            idx = jnp.asarray(idx, jnp.int32)
+            b = routed_experts(x, idx, w, wg, wu, wd, impl="dense", limit=0.5)
+            for impl in impls:
+                assert rel_l2(routed_experts(x, idx, w, wg, wu, wd, impl=impl, limit=0.5), b) < 1e-6, impl
+    assert moe_ops.resolve_impl("gemv", jnp.float32, 60) == "gemv"
+    assert moe_ops.resolve_impl("gemv", jnp.float32, 65) == moe_ops.resolve_impl("auto", jnp.float32, 65)
 
 
 def test_short_conv_state_continues_sequence():

@@ -1,4 +1,4 @@
-"""Decode-sized routed-expert products as a Pallas kernel: each chosen expert's weights read once, by rows.
+"""Decode-sized routed-expert products as a Pallas kernel: each token copy's expert weights read by rows.
 
 At decode a MoE layer sees a few token copies (N tokens x k choices), so its expert products are
 weight-vector products whose whole cost is reading the chosen experts' weights. XLA lowers them to

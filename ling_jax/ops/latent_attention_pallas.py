@@ -3,10 +3,12 @@
 `ops.mla_decode.latent_attention` walks the cache in a `while` loop of XLA ops: on an H200 each
 1,024-slot block costs ~14 small kernels and a device-to-host read of the loop predicate (~27 us),
 which adds ~5 ms per step at a 32k context (BENCHMARKS.md). Here one kernel does the whole walk:
-the grid is (row, block of 16 heads, split of the cache), each program runs an online softmax over
-its split's blocks up to the row's length (a loop with a dynamic bound: unused slots are never
-read), and XLA merges the splits' (max, sum, weighted latent) with the current token's row.
-Splits are chosen so the grid fills the GPU at batch 1 and stays one split per row at large batch.
+the grid is (row, block of 16 heads, split), each program runs an online softmax over its split of
+the used cache (splits are sized at run time from the longest row, so a short context in a long
+allocation still spreads over every program; each loop stops at its row's length, so slots past
+it are read only up to the end of their 32-slot block, and masked), and XLA merges the splits'
+(max, sum, weighted latent) with the current token's row. The number of splits fills the GPU at
+batch 1 and drops to one per row at large batch.
 
 Triton lowering on GPU; interpret mode elsewhere (tests). Needs the latent rank and rope width to
 be powers of two (Ling: 512 and 64), see `supported`. Used by `mla_decode` when the config's
@@ -26,7 +28,7 @@ from jax.experimental import pallas as pl
 
 BK = 32  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
-TARGET_PROGRAMS = 264  # two per SM on an H200
+TARGET_PROGRAMS = 132  # one per SM on an H200 (their partial results cost ~4 MB per layer at batch 1)
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
@@ -40,9 +42,8 @@ def supported(rank: int, rope: int, slots: int) -> bool:
 
 
 def _splits(batch: int, head_blocks: int, blocks: int) -> int:
-    """Cache splits per (row, head block): the divisor of `blocks` closest below the target fill."""
-    want = max(1, math.ceil(TARGET_PROGRAMS / (batch * head_blocks)))
-    return max(d for d in range(1, min(want, blocks) + 1) if blocks % d == 0)
+    """Cache splits per (row, head block): enough programs to fill the GPU, at most one per block."""
+    return max(1, min(blocks, math.ceil(TARGET_PROGRAMS / (batch * head_blocks))))
 
 
 def _precision(x: jax.Array) -> jax.lax.Precision:
@@ -50,7 +51,7 @@ def _precision(x: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def _scores(a, b):
+def _scores(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, D] . b [N, D]^T -> [M, N] float32 (a dot where Triton can issue one, else a sum)."""
     if min(a.shape[0], a.shape[1], b.shape[0]) >= 16:
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
@@ -58,8 +59,9 @@ def _scores(a, b):
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=-1)
 
 
-def _kernel(len_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int, span: int, scale: float):
+def _kernel(len_ref, span_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int, scale: float):
     b, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    span = span_ref[0]
     start = sp * span
     stop = jnp.minimum(start + span, len_ref[b])
     n_blocks = jnp.maximum(stop - start + BK - 1, 0) // BK
@@ -70,11 +72,11 @@ def _kernel(len_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: in
     def body(i, carry):
         m, l, acc = carry
         pos = start + i * BK
-        valid = (pos + jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)) < stop  # [BK, 1]
-        c_lat = jnp.where(valid, c_ref[b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past the
-        c_rot = c_ref[b, pl.ds(pos, BK), pl.ds(rank, rope)]  # length are zeroed: stale slots never count
+        rows = pos + jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)  # [BK, 1]
+        c_lat = jnp.where(rows < stop, c_ref[b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past
+        c_rot = c_ref[b, pl.ds(pos, BK), pl.ds(rank, rope)]  # the length zeroed: stale slots never count
         s = (_scores(q_lat, c_lat) + _scores(q_rot, c_rot)) * scale  # [BH, BK]
-        s = jnp.where(valid.reshape(1, BK), s, -jnp.inf)
+        s = jnp.where((pos + jax.lax.broadcasted_iota(jnp.int32, (1, BK), 1)) < stop, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -104,16 +106,17 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
     q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_BSW.dtype)  # zero heads: sliced off below
     n_hb = hp // BH
     n_sp = _splits(b, n_hb, s // BK)
-    span = s // n_sp
+    used_blocks = (jnp.max(lengths_B) + BK - 1) // BK
+    span = (((used_blocks + n_sp - 1) // n_sp) * BK).astype(jnp.int32).reshape(1)  # slots per split, run time
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
 
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=2)
-    full = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in (lengths_B, q, cache_BSW)]
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=8, num_stages=2)
+    full = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in (lengths_B, span, q, cache_BSW)]
     part = pl.BlockSpec((None, None, None, BH), lambda bi, hi, si: (bi, si, hi, 0))
     m_bsh, l_bsh, acc = pl.pallas_call(
-        functools.partial(_kernel, rank=rank, rope=rope, span=span, scale=scale),
+        functools.partial(_kernel, rank=rank, rope=rope, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
         grid=(b, n_hb, n_sp),
@@ -122,7 +125,7 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
         interpret=interpret,
         name="latent_attention",
         **kwargs,
-    )(lengths_B.astype(jnp.int32), q, cache_BSW)
+    )(lengths_B.astype(jnp.int32), span, q, cache_BSW)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
     acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]

@@ -19,8 +19,9 @@ Both sort the token copies by expert and run one grouped matmul per projection o
   gather  each token copy multiplies its own expert's gathered weights: reads only the chosen
           experts, no sort, no grouped-matmul launch — for decode-sized batches.
   gemv    the same products through the Pallas kernel of `ops.expert_gemv` (reads each chosen
-          expert's weights by rows; interpret mode off GPU). Forward only; opt-in until timed
-          on a GPU against `gather`.
+          expert's weights by rows; interpret mode off GPU) up to GATHER_MAX_COPIES token copies;
+          larger calls (prefill, training) run what `auto` picks. Forward only; opt-in until
+          timed on a GPU against `gather`.
   auto    gather when there are at most GATHER_MAX_COPIES token copies (decode), else mgpu on an
           sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
@@ -60,6 +61,8 @@ def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None) -> str:
     and `copies` token copies (N * k) per call."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
+    if impl == "gemv" and copies is not None and copies > GATHER_MAX_COPIES:
+        return resolve_impl("auto", dtype, copies)  # a decode kernel: N * k weight reads beyond that
     if impl != "auto":
         return impl
     if copies is not None and copies <= GATHER_MAX_COPIES:

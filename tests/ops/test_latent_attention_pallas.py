@@ -35,14 +35,27 @@ def test_equals_xla_loop(dtype, tol, b, h, r, dr, lengths):
     assert got.shape == want.shape and rel_l2(got, want) < tol
 
 
-def test_unused_slots_are_never_read():
-    """Slots at or past a row's length (here NaN) do not reach the output."""
+def test_slots_past_the_length_do_not_count():
+    """Slots at or past a row's length (here NaN: stale or never written) do not reach the output."""
     q, cache, new = _case(0, 2, 16, 32, 8, 1024, jnp.float32)
     ln = jnp.asarray([100, 700], jnp.int32)
     poisoned = jnp.where(jnp.arange(1024)[None, :, None] >= ln[:, None, None], jnp.nan, cache)
     got = latent_attention_pallas(q, poisoned, ln, new, rank=32, scale=0.1)
     assert bool(jnp.all(jnp.isfinite(got)))
     assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.1)) < 1e-6
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_many_blocks_per_program(monkeypatch, programs):
+    """Few splits, so each program's loop runs over many 32-slot blocks (the online-softmax rescaling
+    across blocks; at 3 splits the last one is shorter)."""
+    from ling_jax.ops import latent_attention_pallas as lap
+
+    monkeypatch.setattr(lap, "TARGET_PROGRAMS", programs)
+    q, cache, new = _case(7, 1, 16, 32, 8, 1024, jnp.float32)
+    ln = jnp.asarray([1000], jnp.int32)
+    got = latent_attention_pallas(q, cache, ln, new, rank=32, scale=0.3)
+    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.3)) < 1e-6
 
 
 def test_unsupported_shapes_raise():

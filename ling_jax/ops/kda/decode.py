@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-BV = 32  # state columns per program
+BV = 32  # state columns per program (16 when rows x heads are too few to fill the GPU)
+MIN_PROGRAMS = 132
 
 
 def kda_decode_step(
@@ -60,7 +61,7 @@ def kda_decode_step_pallas(
         raise ValueError(f"kda_decode_step_pallas: K={dk} and V={dv} must be powers of two >= 16")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    bv = min(BV, dv)
+    bv = min(BV, dv) if b * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(16, dv)
     vec_k = pl.BlockSpec((None, None, dk), lambda bi, hi, vi: (bi, hi, 0))
     vec_v = pl.BlockSpec((None, None, bv), lambda bi, hi, vi: (bi, hi, vi))
     state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, vi: (bi, hi, 0, vi))
