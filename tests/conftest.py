@@ -44,9 +44,16 @@ def golden_fp8():
 
 @pytest.fixture
 def h200_lowering(monkeypatch):
-    """Lets Pallas lower Triton kernels for platform "cuda" on this CPU box, as for an H200 (no device needed)."""
+    """Lets Pallas lower Triton kernels for platform "cuda" on this CPU box, as for an H200 (no device
+    needed). Returns `lower(fn, *arg_shapes) -> MLIR text` of `jax.jit(fn)` exported for cuda."""
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     if not hasattr(gpu_info, "registry"):
         pytest.skip("this jax has no GPU-info registry to describe an H200 with")
     monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind,
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def lower(fn, *args):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+    return lower

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ling_jax.ops.pallas_gpu import call_options, whole
+
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
 MIN_TILE = 16
@@ -61,28 +63,19 @@ def gathered_products(x_MC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     """
     m, c = x_MC.shape
     o = weights[0].shape[-1]
-    bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
-    if bc is None or bo is None:
+    if not supported(c, o):
         raise ValueError(f"gathered_products: no power-of-two tile >= {MIN_TILE} divides C={c} and O={o}")
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError(f"gathered_products: weight shapes differ: {[w.shape for w in weights]}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
-    full = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in (idx_M, x_MC, *weights)]
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), bc=bc, bo=bo),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=full,
+        in_specs=[whole(a) for a in (idx_M, x_MC, *weights)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
-        interpret=interpret,
         name="expert_gemv",
-        **kwargs,
+        **call_options(interpret, num_warps=4, num_stages=1),
     )(idx_M.astype(jnp.int32), x_MC, *weights)
     return tuple(p.sum(0) for p in partials)

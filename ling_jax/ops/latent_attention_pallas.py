@@ -26,19 +26,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+
 BK = 32  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
 TARGET_PROGRAMS = 132  # one per SM on an H200 (their partial results cost ~4 MB per layer at batch 1)
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def supported(rank: int, rope: int, slots: int) -> bool:
     """Whether the kernel handles a latent of `rank` + `rope` and a cache of `slots` rows."""
-    return _pow2(rank) and _pow2(rope) and slots % BK == 0
+    return is_pow2(rank) and is_pow2(rope) and slots % BK == 0
 
 
 def _splits(batch: int, head_blocks: int, blocks: int) -> int:
@@ -100,32 +98,24 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
     if not supported(rank, rope, s):
         raise ValueError(f"latent_attention_pallas: rank={rank}, rope={rope} must be powers of two and "
                          f"the cache's {s} slots a multiple of {BK}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     hp = -(-h // BH) * BH
     q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_BSW.dtype)  # zero heads: sliced off below
     n_hb = hp // BH
     n_sp = _splits(b, n_hb, s // BK)
     used_blocks = (jnp.max(lengths_B) + BK - 1) // BK
     span = (((used_blocks + n_sp - 1) // n_sp) * BK).astype(jnp.int32).reshape(1)  # slots per split, run time
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=8, num_stages=2)
-    full = [pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n) for a in (lengths_B, span, q, cache_BSW)]
+    lengths_B = lengths_B.astype(jnp.int32)
     part = pl.BlockSpec((None, None, None, BH), lambda bi, hi, si: (bi, si, hi, 0))
     m_bsh, l_bsh, acc = pl.pallas_call(
         functools.partial(_kernel, rank=rank, rope=rope, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
         grid=(b, n_hb, n_sp),
-        in_specs=full,
+        in_specs=[whole(a) for a in (lengths_B, span, q, cache_BSW)],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
-        interpret=interpret,
         name="latent_attention",
-        **kwargs,
-    )(lengths_B.astype(jnp.int32), span, q, cache_BSW)
+        **call_options(interpret, num_warps=8, num_stages=2),
+    )(lengths_B, span, q, cache_BSW)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
     acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ling_jax.ops.pallas_gpu import call_options, is_pow2
+
 BV = 32  # state columns per program (16 when rows x heads are too few to fill the GPU)
 MIN_PROGRAMS = 132
 
@@ -37,7 +39,7 @@ def kda_decode_step(
 
 def pallas_supported(dk: int, dv: int) -> bool:
     """Whether the kernel handles [K, V] states: both powers of two, at least 16."""
-    return dk & (dk - 1) == 0 and dv & (dv - 1) == 0 and dk >= 16 and dv >= 16
+    return is_pow2(dk) and is_pow2(dv) and dk >= 16 and dv >= 16
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale: float):
@@ -59,17 +61,10 @@ def kda_decode_step_pallas(
     dv = v_BHV.shape[-1]
     if not pallas_supported(dk, dv):
         raise ValueError(f"kda_decode_step_pallas: K={dk} and V={dv} must be powers of two >= 16")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     bv = min(BV, dv) if b * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(16, dv)
     vec_k = pl.BlockSpec((None, None, dk), lambda bi, hi, vi: (bi, hi, 0))
     vec_v = pl.BlockSpec((None, None, bv), lambda bi, hi, vi: (bi, hi, vi))
     state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, vi: (bi, hi, 0, vi))
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
     o_BHV, s_BHKV = pl.pallas_call(
         functools.partial(_step_kernel, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((b, h, dv), v_BHV.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
@@ -77,8 +72,7 @@ def kda_decode_step_pallas(
         in_specs=[vec_k, vec_k, vec_v, vec_k, pl.BlockSpec((None, None, 1), lambda bi, hi, vi: (bi, hi, 0)), state],
         out_specs=[vec_v, state],
         input_output_aliases={5: 1},
-        interpret=interpret,
         name="kda_decode_step",
-        **kwargs,
+        **call_options(interpret, num_warps=4, num_stages=1),
     )(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH[..., None], state_BHKV.astype(jnp.float32))
     return o_BHV, s_BHKV
