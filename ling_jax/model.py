@@ -28,6 +28,7 @@ from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops.attention import attention_mask as visibility
+from ling_jax.ops.moe import ExpertStack
 from ling_jax.params import Params, layer_params
 
 
@@ -113,6 +114,35 @@ def _limits(cfg: LingConfig, layers: np.ndarray) -> jnp.ndarray:
 LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Array, Any]]
 
 
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Params | None, dict[str, jax.Array]]:
+    """Takes the routed-expert stacks out of layer-stacked params `t` (`lead` stack axes).
+
+    Each becomes its layers' flat indices (an int32 array of the stack's leading shape, sliced by
+    the scan like any param) and its [L, E, C, O] stack is returned aside, to be rejoined per layer
+    as an `ExpertStack` (`_join_expert_stacks`). Only dense stacks already in the compute `dtype`
+    (FP8-resident or other-dtype stacks are sliced and converted per layer, as before).
+    """
+    if t is None or "router" not in t["mlp"]:
+        return t, {}
+    mlp_p, stacks = dict(t["mlp"]), {}
+    for name in EXPERT_LEAVES:
+        w = mlp_p[name]
+        if isinstance(w, jax.Array) and w.dtype == dtype:
+            stacks[name] = w.reshape(-1, *w.shape[lead:])
+            mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+    return {**t, "mlp": mlp_p}, stacks
+
+
+def _join_expert_stacks(p: Params, stacks: dict[str, jax.Array]) -> Params:
+    """One layer's params with its expert-index leaves turned back into `ExpertStack`s."""
+    if not stacks:
+        return p
+    return {**p, "mlp": {**p["mlp"], **{n: ExpertStack(s, p["mlp"][n]) for n, s in stacks.items()}}}
+
+
 def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
               caches: list[Any] | None = None, unroll: bool = False) -> tuple[jax.Array, list[Any]]:
     """Runs every main layer through `layer_fn(p, x, limits, layer cache, mixer, ffn) -> (x, y)`.
@@ -121,16 +151,21 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     per-layer outputs `y` come back stacked the same way: one entry per segment, `run` entries
     with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
     `unroll` unrolls the scans into a straight-line program (one decode step: no loop overhead
-    between layers, at the cost of compiling every layer separately).
+    between layers, at the cost of compiling every layer separately). Unrolled with
+    `moe_impl="gemv"`, the routed-expert weights reach the MoE as `ExpertStack`s (the Pallas
+    kernel reads them from the stacks; a sliced operand would be copied whole every step).
     """
+    views = unroll and cfg.moe_impl == "gemv"
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]
         first = seg.first_layer
         if seg.kind == "run":
-            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn):
+            sp, stacks = _split_expert_stacks(sp, 1, x.dtype) if views else (sp, {})
+
+            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks):
                 p, lim, c = xs
-                return layer_fn(p, x, lim, c, mixer, ffn)
+                return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, mixer, ffn)
 
             x, ys = jax.lax.scan(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
                                  unroll=unroll)
@@ -138,20 +173,22 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             continue
         g = seg.kda_per_group + 1
         base = first + g * np.arange(seg.length)
+        sp_kda, stacks_kda = _split_expert_stacks(sp.get("kda"), 2, x.dtype) if views else (sp.get("kda"), {})
+        sp_mla, stacks_mla = _split_expert_stacks(sp["mla"], 1, x.dtype) if views else (sp["mla"], {})
 
-        def kda_body(x, xs):
+        def kda_body(x, xs, stacks=stacks_kda):
             p, lim, c = xs
-            return layer_fn(p, x, lim, c, "kda", "moe")
+            return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, "kda", "moe")
 
-        def group(x, xs, g=g):
+        def group(x, xs, g=g, stacks=stacks_mla):
             pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
                 x, ys_k = jax.lax.scan(kda_body, x, (pk, lk, ck), unroll=unroll)
-            x, y_m = layer_fn(pm, x, lm, cm, "mla", "moe")
+            x, y_m = layer_fn(_join_expert_stacks(pm, stacks), x, lm, cm, "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
-        xs = (sp.get("kda"), sp["mla"], _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
+        xs = (sp_kda, sp_mla, _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
               _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), None if cs is None else cs["mla"])
         x, ys = jax.lax.scan(group, x, xs, unroll=unroll)
         ys_all.append(ys)

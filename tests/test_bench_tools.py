@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from conftest import rel_l2
 
 from bench.common import random_fp8_params, random_params
-from bench.profile import hlo_op_paths
+from bench.profile import hlo_copies, hlo_op_paths
 from ling_jax.checkpoint.fp8 import BlockFP8, is_block_fp8
 from ling_jax.config import LingConfig
 
@@ -51,3 +51,15 @@ def test_hlo_op_paths_name_the_named_scopes(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     paths = hlo_op_paths(str(tmp_path))
     assert any(p.startswith("outer/inner/") for p in paths.values()), paths
+
+
+def test_hlo_copies_lists_the_largest_copies(tmp_path):
+    """Copies in an optimised-HLO dump are grouped by shape and operand and sorted by bytes."""
+    (tmp_path / "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+        "  %slice.3 = bf16[128,1536,512]{2,1,0} slice(bf16[4,128,1536,512]{3,2,1,0} %p.1), slice={[1:2]}\n"
+        "  %copy.1 = bf16[128,1536,512]{2,1,0} copy(bf16[128,1536,512]{2,1,0} %slice.3), metadata={op_name=\"a\"}\n"
+        "  %copy.2 = bf16[128,1536,512]{2,1,0} copy(bf16[128,1536,512]{2,1,0} %slice.4)\n"
+        "  ROOT %copy-start.5 = f32[16,128]{1,0} copy-start(f32[16,128]{1,0} %x.2)\n")
+    rows = hlo_copies(str(tmp_path))
+    assert [(r["shape"], r["count"]) for r in rows] == [("bf16[128, 1536, 512]", 2), ("f32[16, 128]", 1)]
+    assert rows[0]["MB"] == 128 * 1536 * 512 * 2 / 1e6 and "%slice.3" in rows[0]["operand"]

@@ -67,15 +67,18 @@ def test_decode_equals_forward(debug_model, unroll):
         assert rel_l2(got[r], want) < 1e-5, f"row {r}"
 
 
-def test_pallas_decode_kernels_in_the_decode_step(debug_model):
-    """decode_impl="pallas" (the latent-attention and KDA-step kernels) gives the XLA step's logits."""
+@pytest.mark.parametrize("unroll", [False, True], ids=["layer_scans", "unrolled"])
+def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
+    """The decode step's Pallas kernels give the XLA step's logits: decode_impl="pallas" (latent
+    attention, KDA step) with moe_impl="gemv" (routed experts; unrolled, read from the stacked
+    weights as `ExpertStack`s, with scans from the sliced layer)."""
     cfg, params = debug_model
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
     lengths, forced = jnp.asarray([9, 6]), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)))
     want = _teacher_forced(cfg, params, prompt, lengths, forced, 16)
-    pallas = dataclasses.replace(cfg, decode_impl="pallas")
-    assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16), want) < 1e-5
+    pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
+    assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
 
 
 def test_absorbed_equals_expanded_attention(debug_model):

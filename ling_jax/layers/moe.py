@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
-from ling_jax.ops.moe import expert_counts, routed_experts, routed_partial
+from ling_jax.ops.moe import expert_counts, materialize, routed_experts, routed_partial
 
 
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
@@ -138,7 +138,8 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
                                   limit=limit, impl=cfg.moe_impl)
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
         else:
-            y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
+            y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK,
+                                             *(materialize(p[n]) for n in ("gate_proj", "up_proj", "down_proj")),
                                              limit=limit, impl=cfg.moe_impl, mesh=mesh)
     if "shared_gate_proj" in p:
         with jax.named_scope("shared"):

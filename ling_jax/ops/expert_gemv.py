@@ -28,6 +28,7 @@ from ling_jax.ops.pallas_gpu import call_options, whole
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
 MIN_TILE = 16
+NUM_WARPS = 4
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -76,6 +77,6 @@ def gathered_products(x_MC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
         in_specs=[whole(a) for a in (idx_M, x_MC, *weights)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
-        **call_options(interpret, num_warps=4, num_stages=1),
+        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(idx_M.astype(jnp.int32), x_MC, *weights)
     return tuple(p.sum(0) for p in partials)

@@ -31,6 +31,7 @@ from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 BK = 32  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
 TARGET_PROGRAMS = 132  # one per SM on an H200 (their partial results cost ~4 MB per layer at batch 1)
+NUM_WARPS, NUM_STAGES = 8, 2
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
@@ -114,7 +115,7 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
         in_specs=[whole(a) for a in (lengths_B, span, q, cache_BSW)],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
         name="latent_attention",
-        **call_options(interpret, num_warps=8, num_stages=2),
+        **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(lengths_B, span, q, cache_BSW)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]

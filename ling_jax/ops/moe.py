@@ -32,6 +32,7 @@ the expert-parallel dispatch relies on that, its buffers being sized for the wor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -49,6 +50,31 @@ KERNELS = ("mgpu", "gmm")
 # Mosaic-GPU tiles (toolchain.md §8: 171 TFLOP/s on an H200 with these); megablox tiles.
 MGPU_BLOCK_M, MGPU_BLOCK_N, MGPU_BLOCK_K, MGPU_STEPS, MGPU_GRID_BLOCK_N = 128, 128, 64, 4, 1
 GMM_TILE = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertStack:
+    """One layer's routed-expert weights [E, C, O], left inside its segment's stack [L, E, C, O].
+
+    The unrolled decode step (`model.run_stack`) hands these to the MoE when `moe_impl` is "gemv":
+    the Pallas kernel then reads the layer straight from the stack (expert ids offset by
+    layer x E). A sliced stack passed to a custom call is first copied whole by XLA: on an H200
+    that was 69 copies of 201 MB per Ling-3.0-tiny decode step, 6.3 ms (BENCHMARKS.md). The XLA
+    impls take `materialize(w)`, the plain slice, which XLA fuses into their gathers.
+    """
+
+    stack: jax.Array  # [L, E, C, O]
+    layer: jax.Array  # int32 scalar, this layer's index in the stack
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+
+def materialize(w: jax.Array | ExpertStack) -> jax.Array:
+    """The [E, C, O] weights of `w` (an `ExpertStack`'s layer slice, or `w` itself)."""
+    return w.stack[w.layer] if isinstance(w, ExpertStack) else w
 
 
 def _is_sm90() -> bool:
@@ -232,9 +258,9 @@ def routed_partial(
     idx_NK: jax.Array,
     w_NK: jax.Array,
     first_expert: jax.Array | int,
-    w_gate_LDI: jax.Array,
-    w_up_LDI: jax.Array,
-    w_down_LID: jax.Array,
+    w_gate_LDI: jax.Array | ExpertStack,
+    w_up_LDI: jax.Array | ExpertStack,
+    w_down_LID: jax.Array | ExpertStack,
     *,
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
@@ -252,6 +278,19 @@ def routed_partial(
     impl = resolve_impl(impl, x_ND.dtype, n * k)
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
+    if impl == "gemv":
+        dt = x_ND.dtype
+        sel_M = jnp.where(is_local_NK, local_NK, 0).reshape(-1)
+        stacks = (w_gate_LDI, w_up_LDI, w_down_LID)
+        if isinstance(w_gate_LDI, ExpertStack):  # the kernel reads the layer from the stack: no copy
+            sel_M = sel_M + w_gate_LDI.layer * n_local
+            stacks = tuple(w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
+        wg, wu, wd = (w.astype(dt) for w in stacks)
+        g_MI, u_MI = expert_gemv.gathered_products(jnp.repeat(x_ND, k, axis=0), sel_M, (wg, wu))
+        h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
+        (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,))
+        return combine(y_MD.astype(dt).reshape(n, k, -1), jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
+    w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     if impl == "gather":
         dt = x_ND.dtype
         sel_NK = jnp.where(is_local_NK, local_NK, 0)
@@ -259,14 +298,6 @@ def routed_partial(
         u_NKI = jnp.einsum("nd,nkdi->nki", x_ND, w_up_LDI[sel_NK].astype(dt))
         y_NKD = jnp.einsum("nki,nkid->nkd", swiglu_act(g_NKI, u_NKI, limit), w_down_LID[sel_NK].astype(dt))
         return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
-    if impl == "gemv":
-        dt = x_ND.dtype
-        sel_M = jnp.where(is_local_NK, local_NK, 0).reshape(-1)
-        g_MI, u_MI = expert_gemv.gathered_products(jnp.repeat(x_ND, k, axis=0), sel_M,
-                                                   (w_gate_LDI.astype(dt), w_up_LDI.astype(dt)))
-        h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
-        (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (w_down_LID.astype(dt),))
-        return combine(y_MD.astype(dt).reshape(n, k, -1), jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
     if impl == "dense":
         dt = x_ND.dtype
         g = jnp.einsum("nd,edi->nei", x_ND, w_gate_LDI.astype(dt))
@@ -289,9 +320,9 @@ def routed_experts(
     x_ND: jax.Array,
     idx_NK: jax.Array,
     w_NK: jax.Array,
-    w_gate_EDI: jax.Array,
-    w_up_EDI: jax.Array,
-    w_down_EID: jax.Array,
+    w_gate_EDI: jax.Array | ExpertStack,
+    w_up_EDI: jax.Array | ExpertStack,
+    w_down_EID: jax.Array | ExpertStack,
     *,
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",

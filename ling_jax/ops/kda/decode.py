@@ -21,6 +21,7 @@ from ling_jax.ops.pallas_gpu import call_options, is_pow2
 
 BV = 32  # state columns per program (16 when rows x heads are too few to fill the GPU)
 MIN_PROGRAMS = 132
+NUM_WARPS = 4
 
 
 def kda_decode_step(
@@ -73,6 +74,6 @@ def kda_decode_step_pallas(
         out_specs=[vec_v, state],
         input_output_aliases={5: 1},
         name="kda_decode_step",
-        **call_options(interpret, num_warps=4, num_stages=1),
+        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH[..., None], state_BHKV.astype(jnp.float32))
     return o_BHV, s_BHKV

@@ -1,0 +1,212 @@
+"""Decode-step kernels alone: each Pallas kernel against the XLA form it replaces, same run, same inputs.
+
+    python3 bench/decode_kernels.py --out bench/results/decode_kernels_h200.json   # the GPU run
+    python3 bench/decode_kernels.py --smoke --out /tmp/dk.json                      # CPU (interpret), seconds
+
+At the preset's widths (default Ling-3.0-tiny) and each batch size, one jitted call runs `--calls`
+independent instances of the op (distinct random inputs, so XLA can neither merge nor hoist
+them; the KDA step threads its state through them, as the decode loop does): the time per
+instance is the call's median / `--calls`, so launch overhead is amortised and every small XLA
+kernel around the op (split merges, partial sums) is counted. Ops:
+
+  moe      `ops.moe.routed_experts` at batch x top-k token copies, impl gather vs gemv (only up to
+           GATHER_MAX_COPIES copies: gemv's range)
+  latent   the absorbed-MLA decode attention over a latent cache filled to each context,
+           `mla_decode.latent_attention` vs `latent_attention_pallas`
+  kda      one KDA token step on the fp32 state, `kda_decode_step` vs `kda_decode_step_pallas`
+
+Reported: us per instance, GB/s of the bytes the op must read (and write, for the state),
+and the relative L2 difference of the two implementations' outputs on the device.
+
+`--sweep` times the Pallas kernels alone over their tile/launch constants (`SWEEPS`: module
+attributes patched for the run; the first variant of each is the committed setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine, median_time, write_json
+from ling_jax.cache import LATENT_BLOCK
+from ling_jax.config import LingConfig
+from ling_jax.ops import expert_gemv
+from ling_jax.ops import latent_attention_pallas as latent_kernel
+from ling_jax.ops.kda import decode as kda_decode
+from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
+from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
+from ling_jax.ops.mla_decode import latent_attention
+from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
+
+SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
+    "moe": (expert_gemv, [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w) for (bc, bo), w in itertools.product(
+        ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64)), (4, 8))][:8]),
+    "latent": (latent_kernel, [dict(BK=bk, TARGET_PROGRAMS=tp, NUM_WARPS=w, NUM_STAGES=st) for bk, tp, (w, st) in
+                               itertools.product((32, 64), (132, 264), ((8, 2), (4, 2), (8, 3)))]),
+    "kda": (kda_decode, [dict(BV=32, MIN_PROGRAMS=132, NUM_WARPS=4)] + [
+        dict(BV=bv, MIN_PROGRAMS=0, NUM_WARPS=w) for bv, w in itertools.product((16, 32, 64), (4, 2, 1))]),
+}
+PALLAS = {"moe": "gemv", "latent": "pallas", "kda": "pallas"}  # the kernel's name in each bench's timings
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float = 1.0) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _gbps(nbytes: float, us: dict[str, float]) -> dict[str, float]:
+    return {name: nbytes / t / 1e3 for name, t in us.items()}
+
+
+def _time(fns: dict[str, Callable[[], Any]], calls: int, reps: int,
+          only: str | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+    """us per instance of each implementation (or of `only`), and each one's outputs."""
+    fns = {only: fns[only]} if only else fns
+    outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}  # compiles
+    us = {name: 1e6 * median_time(f, reps=reps, warmup=1) / calls for name, f in fns.items()}
+    return us, outs
+
+
+def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array,
+              only: str | None = None) -> dict[str, Any]:
+    e, d, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    kw, kx, ki = jax.random.split(key, 3)
+    w_gate, w_up = (_normal(kk, (e, d, i), jnp.bfloat16, 0.02) for kk in jax.random.split(kw, 2))
+    w_down = _normal(jax.random.fold_in(kw, 2), (e, i, d), jnp.bfloat16, 0.02)
+    x = _normal(kx, (calls, batch, d), jnp.bfloat16)
+    idx = jnp.argsort(jax.random.uniform(ki, (calls, batch, e)), axis=-1)[..., :k].astype(jnp.int32)
+    w = jnp.full((calls, batch, k), 1.0 / k, jnp.float32)
+
+    def run(impl: str) -> Callable[[], Any]:
+        f = jax.jit(lambda x, idx, w: jnp.stack([routed_experts(x[c], idx[c], w[c], w_gate, w_up, w_down, impl=impl)
+                                                 for c in range(calls)]))
+        return lambda: f(x, idx, w)
+
+    us, outs = _time({"gather": run("gather"), "gemv": run("gemv")}, calls, reps, only)
+    touched = float(np.mean([len(np.unique(np.asarray(idx[c]))) for c in range(calls)]))
+    nbytes = touched * 3 * d * i * 2
+    return {"op": "moe", "batch": batch, "copies": batch * k, "us": us, "bytes": nbytes,
+            "GBps": _gbps(nbytes, us),
+            "rel_l2_gemv_vs_gather": None if only else _rel(outs["gemv"], outs["gather"])}
+
+
+def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, reps: int,
+                 key: jax.Array, only: str | None = None) -> dict[str, Any]:
+    h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    kq, kc, kn = jax.random.split(key, 3)
+    cache = _normal(kc, (batch, slots, r + dr), jnp.bfloat16)
+    q = _normal(kq, (calls, batch, h, r + dr), jnp.bfloat16, 0.05)
+    new = _normal(kn, (calls, batch, r + dr), jnp.bfloat16)
+    lengths = jnp.full((batch,), ctx, jnp.int32) - jnp.arange(batch, dtype=jnp.int32) % 7  # ragged rows
+    scale = cfg.qk_head_dim**-0.5
+
+    def run(attend: Callable[..., jax.Array]) -> Callable[[], Any]:
+        f = jax.jit(lambda q, cache, lengths, new: jnp.stack(
+            [attend(q[c], cache, lengths, new[c], rank=r, scale=scale) for c in range(calls)]))
+        return lambda: f(q, cache, lengths, new)
+
+    us, outs = _time({"xla": run(latent_attention), "pallas": run(latent_attention_pallas)}, calls, reps, only)
+    nbytes = float(batch * ctx * (r + dr) * 2)
+    return {"op": "latent", "batch": batch, "context": ctx, "slots": slots, "us": us, "bytes": nbytes,
+            "GBps": _gbps(nbytes, us),
+            "rel_l2_pallas_vs_xla": None if only else _rel(outs["pallas"], outs["xla"])}
+
+
+def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array,
+              only: str | None = None) -> dict[str, Any]:
+    h, dk = cfg.num_attention_heads, cfg.head_dim
+    ks = jax.random.split(key, 6)
+    q, k = (_normal(kk, (calls, batch, h, dk), jnp.bfloat16) for kk in ks[:2])
+    q, k = (a / jnp.linalg.norm(a.astype(jnp.float32), axis=-1, keepdims=True).astype(a.dtype) for a in (q, k))
+    v = _normal(ks[2], (calls, batch, h, dk), jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], (calls, batch, h, dk), jnp.float32, 0.01, 0.5)
+    beta = jax.random.uniform(ks[4], (calls, batch, h), jnp.float32)
+    state = _normal(ks[5], (batch, h, dk, dk), jnp.float32, 0.1)
+
+    def run(step: Callable[..., tuple[jax.Array, jax.Array]]) -> Callable[[], Any]:
+        def chain(q, k, v, g, beta, s):
+            outs = []
+            for c in range(calls):
+                o, s = step(q[c], k[c], v[c], g[c], beta[c], s, scale=dk**-0.5)
+                outs.append(o)
+            return jnp.stack(outs), s
+
+        f = jax.jit(chain)
+        return lambda: f(q, k, v, g, beta, state)
+
+    us, outs = _time({"xla": run(kda_decode_step), "pallas": run(kda_decode_step_pallas)}, calls, reps, only)
+    nbytes = float(batch * h * dk * dk * 4 * 2)
+    return {"op": "kda", "batch": batch, "us": us, "bytes": nbytes, "GBps": _gbps(nbytes, us),
+            "rel_l2_pallas_vs_xla": None if only else {"o": _rel(outs["pallas"][0], outs["xla"][0]),
+                                                       "state": _rel(outs["pallas"][1], outs["xla"][1])}}
+
+
+def swept(op: str, bench: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`bench(*args)` of the Pallas kernel alone under each of the op's `SWEEPS` variants."""
+    module, variants = SWEEPS[op]
+    name = PALLAS[op]
+    rows = []
+    for v in variants:
+        with mock.patch.multiple(module, **v):
+            r = bench(*args, only=name)
+        rows.append({**v, "us": r["us"][name], "GBps": r["GBps"][name]})
+        print(f"  {op} B={r['batch']} {r.get('context', '')} {v}: {r['us'][name]:.1f} us", flush=True)
+    return {k: v for k, v in r.items() if k not in ("us", "GBps") and not k.startswith("rel_l2")} | {"sweep": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="ling-3.0-tiny")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--ops", nargs="+", default=["moe", "latent", "kda"], choices=["moe", "latent", "kda"])
+    ap.add_argument("--sweep", action="store_true", help="the Pallas kernels alone over their SWEEPS variants")
+    ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU interpret-mode check)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.preset, args.batches, args.contexts, args.calls, args.reps = "debug", [1, 3], [64, 100], 2, 1
+    cfg = LingConfig.preset(args.preset)
+    slots = -(-(max(args.contexts) + 1) // LATENT_BLOCK) * LATENT_BLOCK  # the cache's allocation rule
+    result = {**machine(), "preset": args.preset, "calls_per_jit": args.calls, "sweep": args.sweep, "runs": []}
+    key = jax.random.key(0)
+    for b in args.batches:
+        runs = []
+        one = swept if args.sweep else (lambda op, bench, *a: bench(*a))
+        if "moe" in args.ops and b * cfg.num_experts_per_tok <= GATHER_MAX_COPIES:  # beyond: gemv is not used
+            runs.append(one("moe", bench_moe, cfg, b, args.calls, args.reps, jax.random.fold_in(key, b)))
+        if "kda" in args.ops:
+            runs.append(one("kda", bench_kda, cfg, b, args.calls, args.reps, jax.random.fold_in(key, b + 1)))
+        if "latent" in args.ops:
+            runs += [one("latent", bench_latent, cfg, b, ctx, slots, args.calls, args.reps,
+                         jax.random.fold_in(key, b + ctx)) for ctx in args.contexts]
+        for r in runs if not args.sweep else []:
+            where = f"B={r['batch']:3d}" + (f" ctx={r['context']:6d}" if "context" in r else " " * 11)
+            times = "  ".join(f"{n} {t:8.1f} us ({r['GBps'][n]:6.0f} GB/s)" for n, t in r["us"].items())
+            diff = {k: v for k, v in r.items() if k.startswith("rel_l2")}
+            print(f"{r['op']:6s} {where}  {times}  {diff}", flush=True)
+        result["runs"] += runs
+        write_json(args.out, result)
+    print(f"wrote {write_json(args.out, result)}")
+
+
+if __name__ == "__main__":
+    main()
