@@ -172,6 +172,22 @@ class LingConfig:
     # the original JSON, kept to write it back on export (not compared, not hashed)
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)
 
+    def _pallas_width(self, name: str, least: int) -> bool:
+        v = getattr(self, name)
+        return v >= least and v & (v - 1) == 0
+
+    def pallas_decode(self, mixer: Mixer) -> bool:
+        """Whether the decode step of `mixer` layers runs its Pallas kernel: decode_impl "pallas", or
+        "auto" where `pallas_gpu.auto_picks_kernels` (one GPU) with the widths the kernel takes (MLA:
+        latent rank and rope width powers of two; KDA: head_dim a power of two >= 16). Elsewhere the
+        XLA form."""
+        if self.decode_impl != "auto":
+            return self.decode_impl == "pallas"
+        from ling_jax.ops.pallas_gpu import auto_picks_kernels
+
+        widths = (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)) if mixer == "mla" else (("head_dim", 16),)
+        return auto_picks_kernels() and all(self._pallas_width(n, least) for n, least in widths)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any], **options: Any) -> LingConfig:
@@ -281,8 +297,7 @@ class LingConfig:
         need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
         if self.decode_impl == "pallas":  # the kernels' tiles are powers of two (Triton), KDA's >= 16
             for name, least in (("kv_lora_rank", 1), ("qk_rope_head_dim", 1), ("head_dim", 16)):
-                v = getattr(self, name)
-                need(v >= least and v & (v - 1) == 0, name,
+                need(self._pallas_width(name, least), name,
                      f"must be a power of two >= {least} for decode_impl='pallas'")
         if self.uses_moe:
             e = self.num_experts

@@ -27,6 +27,7 @@ from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.params import Params, layer_params
@@ -151,11 +152,13 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     per-layer outputs `y` come back stacked the same way: one entry per segment, `run` entries
     with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
     `unroll` unrolls the scans into a straight-line program (one decode step: no loop overhead
-    between layers, at the cost of compiling every layer separately). Unrolled with
-    `moe_impl="gemv"`, the routed-expert weights reach the MoE as `ExpertStack`s (the Pallas
-    kernel reads them from the stacks; a sliced operand would be copied whole every step).
+    between layers, at the cost of compiling every layer separately). Unrolled, where the MoE
+    would run the gemv kernel (`ops.moe.resolve_impl`), the routed-expert weights reach it as
+    `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
+    whole every step, and the XLA impls are faster on the plain slices).
     """
-    views = unroll and cfg.moe_impl == "gemv"
+    copies = x.shape[0] * x.shape[1] * cfg.num_experts_per_tok
+    views = unroll and moe_ops.resolve_impl(cfg.moe_impl, x.dtype, copies, stacked=True) == "gemv"
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,28 @@ def test_ragged_experts_equal_dense_including_skew():
                 assert rel_l2(routed_experts(x, idx, w, wg, wu, wd, impl=impl, limit=0.5), b) < 1e-6, impl
     assert moe_ops.resolve_impl("gemv", jnp.float32, 60) == "gemv"
     assert moe_ops.resolve_impl("gemv", jnp.float32, 65) == moe_ops.resolve_impl("auto", jnp.float32, 65)
+
+
+def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
+    """"auto" runs the Pallas decode kernels only where they were timed (one GPU; the gemv kernel only
+    on `ExpertStack` weights it can tile), and the XLA forms elsewhere (here: the CPU)."""
+    cfg = LingConfig.preset("debug")
+    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
+    assert not cfg.pallas_decode("mla") and not cfg.pallas_decode("kda")
+    assert dataclasses.replace(cfg, decode_impl="pallas").pallas_decode("kda")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gemv"
+    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=False) == "gather"
+    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 65, stacked=True) != "gemv"
+    assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")
+    assert not dataclasses.replace(cfg, decode_impl="xla").pallas_decode("mla")
+    assert not dataclasses.replace(cfg, head_dim=24).pallas_decode("kda")  # not a power of two
+    w = moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 16)), jnp.int32(1))
+    assert moe_ops.gemv_tiles(w, moe_ops.ExpertStack(jnp.zeros((2, 8, 16, 64)), jnp.int32(1)))
+    assert not moe_ops.gemv_tiles(moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 12)), jnp.int32(1)), w)
+    with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: XLA forms
+        assert not cfg.pallas_decode("mla")
+        assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
 
 
 def test_short_conv_state_continues_sequence():

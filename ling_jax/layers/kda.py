@@ -124,7 +124,7 @@ def kda_mixer(
     with jax.named_scope("recurrence"):
         if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
             g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
-            step = kda_decode_step_pallas if cfg.decode_impl == "pallas" else kda_decode_step
+            step = kda_decode_step_pallas if cfg.pallas_decode("kda") else kda_decode_step
             o_BHV, state = step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
                                 g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
             o_BTHV = o_BHV[:, None]

@@ -98,7 +98,7 @@ def mla_decode(
     w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
     q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
     q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
-    attend = latent_attention_pallas if cfg.decode_impl == "pallas" else latent_attention
+    attend = latent_attention_pallas if cfg.pallas_decode("mla") else latent_attention
     with jax.named_scope("latent_attention"):
         m_BHR = attend(q_BHW, latent_BSW, lengths_B, new_BW, rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
     o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))

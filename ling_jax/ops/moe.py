@@ -20,10 +20,13 @@ Both sort the token copies by expert and run one grouped matmul per projection o
           experts, no sort, no grouped-matmul launch — for decode-sized batches.
   gemv    the same products through the Pallas kernel of `ops.expert_gemv` (reads each chosen
           expert's weights by rows; interpret mode off GPU) up to GATHER_MAX_COPIES token copies;
-          larger calls (prefill, training) run what `auto` picks. Forward only; opt-in until
-          timed on a GPU against `gather`.
-  auto    gather when there are at most GATHER_MAX_COPIES token copies (decode), else mgpu on an
-          sm90 GPU with bf16/f16 activations, gmm on TPU, ragged otherwise.
+          larger calls (prefill, training) run what `auto` picks. Forward only. Fast only when
+          the weights come as `ExpertStack`s (the unrolled decode step): a sliced weight stack
+          passed to the kernel is first copied whole.
+  auto    at most GATHER_MAX_COPIES token copies (decode): gemv on one GPU when the weights are
+          `ExpertStack`s the kernel can tile (H200, Ling-3.0-tiny MoE layer at batch 1: 28 vs
+          115 us, BENCHMARKS.md), else gather; beyond (prefill, training): mgpu on an sm90 GPU
+          with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
 Every grouped matmul here has `jax.lax.ragged_dot`'s semantics, including rows past
 `sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are masked);
@@ -42,6 +45,7 @@ import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import expert_gemv
+from ling_jax.ops.pallas_gpu import auto_picks_kernels
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
@@ -77,22 +81,30 @@ def materialize(w: jax.Array | ExpertStack) -> jax.Array:
     return w.stack[w.layer] if isinstance(w, ExpertStack) else w
 
 
+def gemv_tiles(w_gate: jax.Array | ExpertStack, w_down: jax.Array | ExpertStack) -> bool:
+    """Whether the weights are `ExpertStack`s whose [C, O] the gemv kernel can tile."""
+    return (isinstance(w_gate, ExpertStack) and expert_gemv.supported(*w_gate.shape[1:])
+            and expert_gemv.supported(*w_down.shape[1:]))
+
+
 def _is_sm90() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None) -> str:
-    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`
-    and `copies` token copies (N * k) per call."""
+def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked: bool = False) -> str:
+    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`,
+    `copies` token copies (N * k) per call, and (`stacked`) the weights as `ExpertStack`s that the
+    gemv kernel can tile."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
-    if impl == "gemv" and copies is not None and copies > GATHER_MAX_COPIES:
+    decode = copies is not None and copies <= GATHER_MAX_COPIES
+    if impl == "gemv" and not decode:
         return resolve_impl("auto", dtype, copies)  # a decode kernel: N * k weight reads beyond that
     if impl != "auto":
         return impl
-    if copies is not None and copies <= GATHER_MAX_COPIES:
-        return "gather"
+    if decode:
+        return "gemv" if stacked and auto_picks_kernels() else "gather"
     backend = jax.default_backend()
     if backend == "tpu":
         return "gmm"
@@ -275,7 +287,7 @@ def routed_partial(
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
-    impl = resolve_impl(impl, x_ND.dtype, n * k)
+    impl = resolve_impl(impl, x_ND.dtype, n * k, stacked=gemv_tiles(w_gate_LDI, w_down_LID))
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":

@@ -8,6 +8,15 @@ import jax
 from jax.experimental import pallas as pl
 
 
+def auto_picks_kernels() -> bool:
+    """Whether "auto" picks these kernels: on a GPU (where they were timed) without a multi-device
+    context mesh (GSPMD cannot split a kernel: it would gather the sharded operands to run it)."""
+    from ling_jax.sharding import context_mesh
+
+    mesh = context_mesh()
+    return jax.default_backend() == "gpu" and (mesh is None or mesh.size == 1)
+
+
 def is_pow2(n: int) -> bool:
     """Triton's rule for every loaded or computed block dimension."""
     return n > 0 and n & (n - 1) == 0
