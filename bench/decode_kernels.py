@@ -54,7 +54,7 @@ SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
     "moe": (expert_gemv, [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w) for (bc, bo), w in itertools.product(
         ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64)), (4, 8))][:8]),
     "latent": (latent_kernel, [dict(BK=bk, TARGET_PROGRAMS=tp, NUM_WARPS=w, NUM_STAGES=st) for bk, tp, (w, st) in
-                               itertools.product((32, 64), (132, 264), ((8, 2), (4, 2), (8, 3)))]),
+                               itertools.product((64, 32), (264, 132), ((4, 2), (8, 2), (8, 3)))]),
     "kda": (kda_decode, [dict(BV=32, MIN_PROGRAMS=132, NUM_WARPS=4)] + [
         dict(BV=bv, MIN_PROGRAMS=0, NUM_WARPS=w) for bv, w in itertools.product((16, 32, 64), (4, 2, 1))]),
 }

@@ -28,10 +28,10 @@ from jax.experimental import pallas as pl
 
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 
-BK = 32  # cache slots per loop step
+BK = 64  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
-TARGET_PROGRAMS = 132  # one per SM on an H200 (their partial results cost ~4 MB per layer at batch 1)
-NUM_WARPS, NUM_STAGES = 8, 2
+TARGET_PROGRAMS = 264  # two per SM on an H200 (their partial results cost ~8 MB per layer at batch 1)
+NUM_WARPS, NUM_STAGES = 4, 2  # with BK and TARGET_PROGRAMS: the fastest of the tile sweep (BENCHMARKS.md)
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
