@@ -96,6 +96,23 @@ def test_absorbed_equals_expanded_attention(debug_model):
     np.testing.assert_allclose(row, cache["latent"][:, -1], rtol=1e-6, atol=1e-6)
 
 
+def test_absorbed_prefill_equals_expanded(debug_model):
+    """`mla_mixer(absorbed=True)` (attention over the latent rows, W_UK/W_UV folded in) == the expanded
+    per-head K/V form, with a padded row; both return the same latent rows to cache."""
+    cfg, params = debug_model
+    p = layer_params(cfg, params, 2)["attn"]  # an MLA layer
+    t = 37
+    x = jax.random.normal(jax.random.key(4), (2, t, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    valid = pos < jnp.asarray([[t], [20]])
+    cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    mask = attention_mask(pos, pos, valid)
+    want, c_want = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=mask)
+    got, c_got = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=mask, absorbed=True)
+    assert rel_l2(got[0], want[0]) < 1e-5 and rel_l2(got[1, :20], want[1, :20]) < 1e-5
+    np.testing.assert_array_equal(c_got["latent"], c_want["latent"])
+
+
 def test_batch_invariance_and_sampling(debug_model):
     cfg, params = debug_model
     rng = np.random.default_rng(1)

@@ -106,6 +106,10 @@ def kda_mixer(
     dt = x_BTD.dtype
     with jax.named_scope("qkv"):
         qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+        if t == 1 and cache is not None:
+            # decode: keep the projections out of the fusion that stacks every layer's new conv window
+            # (fused in, one ran as a 215 us loop on an H200, BENCHMARKS.md); identity otherwise
+            qkv_BT3P = jax.lax.optimization_barrier(qkv_BT3P)
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
-from ling_jax.ops.attention import attention
+from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
 
@@ -52,24 +52,39 @@ def mla_output(p: dict[str, Any], o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Ar
 
 def mla_mixer(
     p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, cos: jax.Array, sin: jax.Array,
-    mask_BTS: jax.Array,
+    mask_BTS: jax.Array, absorbed: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, D] (input-normed) -> (out [B, T, D], {"latent": [B, T, r + d_r]} to cache).
 
     cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention).
+    `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
+    query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function;
+    `bench/prefill_mla.py` measures which form is faster for prefill (BENCHMARKS.md).
     """
     b, t, _ = x_BTD.shape
     h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     q_BTHD = mla_query(p, x_BTD, cfg)
     q_nope, q_rot = jnp.split(q_BTHD, [dn], axis=-1)
-    q_BTHD = jnp.concatenate([q_nope, apply_rope(q_rot, cos, sin)], axis=-1)
+    q_rot = apply_rope(q_rot, cos, sin)
     c_BTR, k_rot_BTd = mla_latent(p, x_BTD, cfg)
     k_rot_BTd = apply_rope(k_rot_BTd, cos, sin)
+    latent_BTW = jnp.concatenate([c_BTR, k_rot_BTd], axis=-1)
+    if absorbed:
+        dt = x_BTD.dtype
+        w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
+        q_BTHW = jnp.concatenate([q_lat.astype(dt), q_rot], axis=-1)
+        s_BHTS = jnp.einsum("bthw,bsw->bhts", q_BTHW, latent_BTW, preferred_element_type=jnp.float32)
+        p_BHTS = masked_softmax(s_BHTS * cfg.qk_head_dim**-0.5, mask_BTS, dt)
+        o_BTHR = jnp.einsum("bhts,bsr->bthr", p_BHTS, c_BTR)
+        o_BTHV = jnp.einsum("bthr,rhv->bthv", o_BTHR, w_uv_RHV.astype(dt))
+        return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
+    q_BTHD = jnp.concatenate([q_nope, q_rot], axis=-1)
     kv_BTHX = (c_BTR @ p["kv_b_proj"].astype(x_BTD.dtype)).reshape(b, t, h, dn + dv)
     k_nope, v_BTHV = jnp.split(kv_BTHX, [dn], axis=-1)
     k_BTHD = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot_BTd[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
     o_BTHV = attention(q_BTHD, k_BTHD, v_BTHV, mask_BTS, scale=cfg.qk_head_dim**-0.5)
-    return mla_output(p, o_BTHV, x_BTD), {"latent": jnp.concatenate([c_BTR, k_rot_BTd], axis=-1)}
+    return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
 
 
 def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax.Array]:

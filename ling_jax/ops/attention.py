@@ -28,6 +28,9 @@ def attention(q_BTHD: jax.Array, k_BSHD: jax.Array, v_BSHV: jax.Array, mask_BTS:
     """softmax(q k^T * scale, masked) v per head: [B, T, H, V] in v's dtype; fp32 softmax."""
     s_BHTS = jnp.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD,
                         preferred_element_type=jnp.float32) * scale
-    s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS, NEG_INF)
-    p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(v_BSHV.dtype)
-    return jnp.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
+    return jnp.einsum("bhts,bshv->bthv", masked_softmax(s_BHTS, mask_BTS, v_BSHV.dtype), v_BSHV)
+
+
+def masked_softmax(s_BHTS: jax.Array, mask_BTS: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Softmax over keys of float32 scores with invisible keys masked out, cast to `dtype`."""
+    return jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BHTS, NEG_INF), axis=-1).astype(dtype)
