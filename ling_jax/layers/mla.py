@@ -58,8 +58,9 @@ def mla_mixer(
 
     cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention).
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
-    query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function;
-    `bench/prefill_mla.py` measures which form is faster for prefill (BENCHMARKS.md).
+    query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; on
+    an H200 the expanded form is 1.4-1.6x faster at 2k-16k tokens (`bench/prefill_mla.py`,
+    BENCHMARKS.md), so prefill and training run it.
     """
     b, t, _ = x_BTD.shape
     h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
