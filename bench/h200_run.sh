@@ -9,8 +9,8 @@ mkdir -p /tmp/tcache && tar xzf .whl/fla_autotune.tgz -C /tmp/tcache 2>/dev/null
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 run() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -40; }
 run "${DECODE_S:-300}" python3 bench/decode.py --out "$OUT/decode_h200.json"
-run "${KERNELS_S:-300}" python3 bench/decode.py --batches 1 16 --contexts 1024 32768 --moe-impl gemv \
-  --decode-impl pallas --profile /tmp/tk --out "$OUT/decode_h200_kernels.json"
+run "${KERNELS_S:-150}" python3 bench/decode_kernels.py --out "$OUT/decode_kernels_h200.json"
+run "${PREFILL_S:-80}" python3 bench/prefill_mla.py --out "$OUT/prefill_mla_h200.json"
 run "${MOE_S:-120}" python3 bench/moe.py --out "$OUT/moe_h200.json"
 run "${TRAIN_S:-200}" python3 bench/train.py --out "$OUT/train_h200.json" --kda-impl chunked pallas --remat full
 run "${KDA_S:-90}" python3 bench/kda.py --out "$OUT" --no-chunked

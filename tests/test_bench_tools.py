@@ -1,14 +1,17 @@
-"""The benchmark helpers whose output BENCHMARKS.md relies on: FP8-resident random params and the
-profile's kernel -> op-path attribution."""
+"""The benchmark helpers whose output BENCHMARKS.md relies on: FP8-resident random params, the
+profile's kernel -> op-path attribution and copy list, and the decode-kernel / prefill scripts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 from conftest import rel_l2
 
 from bench.common import random_fp8_params, random_params
@@ -63,3 +66,20 @@ def test_hlo_copies_lists_the_largest_copies(tmp_path):
     rows = hlo_copies(str(tmp_path))
     assert [(r["shape"], r["count"]) for r in rows] == [("bf16[128, 1536, 512]", 2), ("f32[16, 128]", 1)]
     assert rows[0]["MB"] == 128 * 1536 * 512 * 2 / 1e6 and "%slice.3" in rows[0]["operand"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("script", ["decode_kernels.py", "prefill_mla.py"])
+def test_bench_scripts_run(tmp_path, script):
+    """The decode-kernel and prefill benchmarks run end to end on the CPU (`--smoke`: debug preset,
+    interpret mode) and agree with their XLA references there."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / script), "--smoke", "--out", str(out)],
+                   check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) >= 2
+    for r in runs:
+        diffs = [v for k, v in r.items() if k.startswith("rel_l2")]
+        flat = [x for d in diffs for x in (d.values() if isinstance(d, dict) else [d])]
+        assert flat and all(x < 1e-2 for x in flat), r
