@@ -178,15 +178,15 @@ class LingConfig:
 
     def pallas_decode(self, mixer: Mixer) -> bool:
         """Whether the decode step of `mixer` layers runs its Pallas kernel: decode_impl "pallas", or
-        "auto" where `pallas_gpu.auto_picks_kernels` (one GPU) with the widths the kernel takes (MLA:
-        latent rank and rope width powers of two; KDA: head_dim a power of two >= 16). Elsewhere the
-        XLA form."""
+        "auto" on a GPU (`pallas_gpu.on_gpu`; under a multi-device mesh per shard) with the widths the
+        kernel takes (MLA: latent rank and rope width powers of two; KDA: head_dim a power of two
+        >= 16). Elsewhere the XLA form."""
         if self.decode_impl != "auto":
             return self.decode_impl == "pallas"
-        from ling_jax.ops.pallas_gpu import auto_picks_kernels
+        from ling_jax.ops.pallas_gpu import on_gpu
 
         widths = (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)) if mixer == "mla" else (("head_dim", 16),)
-        return auto_picks_kernels() and all(self._pallas_width(n, least) for n, least in widths)
+        return on_gpu() and all(self._pallas_width(n, least) for n, least in widths)
 
     # ------------------------------------------------------------------ construction
     @classmethod

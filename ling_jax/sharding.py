@@ -24,7 +24,7 @@ Specs depend only on the mesh's axis *sizes*, so the same table serves a real `M
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -185,6 +185,32 @@ def context_mesh() -> jax.sharding.AbstractMesh | None:
     if mesh is None or mesh.empty:
         return None
     return mesh
+
+
+def multi_device(mesh: jax.sharding.AbstractMesh | None) -> bool:
+    """Whether `mesh` (e.g. `context_mesh()`) spreads work over more than one device."""
+    return mesh is not None and mesh.size > 1
+
+
+def per_shard(fn: Callable[..., Any], args: Mapping[str, jax.Array], dims: Mapping[str, str], out_dims: Any, *,
+              mesh: jax.sharding.AbstractMesh, batch: int, heads: int = 1) -> Any:
+    """`fn(**args)` run once per shard of `mesh` in a `shard_map` — how a Pallas kernel (which GSPMD
+    cannot partition) runs on sharded activations.
+
+    `dims[name]` and the strings of the `out_dims` pytree give each dim of an argument / result: "b"
+    batch rows over the token axes, "h" heads over `tensor`, "." whole (`fit_spec` drops axes that do
+    not divide `batch` / `heads`). These are the layouts the table gives decode caches and
+    per-head activations, so nothing moves but what a dim's "." gathers.
+    """
+    sizes = axis_sizes(mesh)
+    axes = {"b": fit_spec((batch,), (BATCH_AXES,), sizes)[0], "h": fit_spec((heads,), ("tensor",), sizes)[0]}
+
+    def to_spec(d: str) -> PartitionSpec:
+        return PartitionSpec(*(axes.get(c) for c in d))
+
+    specs = {k: to_spec(dims[k]) for k in args}
+    return jax.shard_map(lambda a: fn(**a), mesh=mesh, in_specs=(specs,), out_specs=jax.tree.map(to_spec, out_dims),
+                         check_vma=False)(dict(args))
 
 
 def constrain(x: jax.Array, role: str) -> jax.Array:

@@ -96,8 +96,8 @@ def test_ragged_experts_equal_dense_including_skew():
 
 
 def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
-    """"auto" runs the Pallas decode kernels only where they were timed (one GPU; the gemv kernel only
-    on `ExpertStack` weights it can tile), and the XLA forms elsewhere (here: the CPU)."""
+    """"auto" runs the Pallas decode kernels only where they were timed (a GPU; the gemv kernel only on
+    one, with `ExpertStack` weights it can tile), and the XLA forms elsewhere (here: the CPU)."""
     cfg = LingConfig.preset("debug")
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
     assert not cfg.pallas_decode("mla") and not cfg.pallas_decode("kda")
@@ -112,8 +112,8 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     w = moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 16)), jnp.int32(1))
     assert moe_ops.gemv_tiles(w, moe_ops.ExpertStack(jnp.zeros((2, 8, 16, 64)), jnp.int32(1)))
     assert not moe_ops.gemv_tiles(moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 12)), jnp.int32(1)), w)
-    with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: XLA forms
-        assert not cfg.pallas_decode("mla")
+    with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: the decode-step kernels per
+        assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")  # shard, the experts on the XLA path
         assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
 
 

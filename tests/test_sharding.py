@@ -473,6 +473,43 @@ def test_memory_plan_divides_params_by_the_table():
 
 
 @pytest.mark.heavy
+def test_pallas_decode_kernels_under_a_mesh(golden_a):
+    """decode_impl="pallas" (latent attention, KDA step; interpret mode here) runs per shard under a
+    data x expert x tensor mesh (`sharding.per_shard`): the teacher-forced step logits stay golden and
+    the caches keep the table's layout."""
+    import dataclasses
+
+    from ling_jax.cache import ROLES
+    from ling_jax.generate import decode_step, prefill
+
+    _, _, g = golden_a
+    mesh, cfg, sparams = sharded_golden("2x2x2")
+    cfg = dataclasses.replace(cfg, decode_impl="pallas")
+    prompt = jnp.asarray(g["decode_prompt_ids"])
+    forced = g["decode_generated_ids"]
+    step = jax.jit(decode_step, static_argnums=0)
+    with jax.set_mesh(mesh):
+        cache, logits = prefill(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
+        for s in range(3):
+            cache, logits = step(cfg, sparams, cache, jnp.asarray(forced[:, s]))
+            assert rel_l2(logits, g["decode_step_logits"][:, s + 1]) < 1e-5, s
+    for path, x in jax.tree_util.tree_leaves_with_path(cache["segments"]):
+        want = NamedSharding(mesh, sharding.spec(ROLES[path[-1].key], x.shape, mesh))
+        assert x.sharding.is_equivalent_to(want, x.ndim), (path, x.sharding.spec, want.spec)
+    # rows of different lengths (each shard must see its own rows' lengths): equal to the XLA step
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
+    lengths, nxt = jnp.asarray([9, 4], jnp.int32), jnp.asarray(rng.integers(0, cfg.vocab_size, (2,)))
+    out = {}
+    with jax.set_mesh(mesh):
+        for impl in ("xla", "pallas"):
+            c = dataclasses.replace(cfg, decode_impl=impl)
+            cache, _ = prefill(c, sparams, ids, lengths, 28)
+            out[impl] = step(c, sparams, cache, nxt)[1]
+    assert rel_l2(out["pallas"], out["xla"]) < 1e-5
+
+
+@pytest.mark.heavy
 def test_pallas_kda_under_a_mesh(golden_a):
     """The Pallas KDA kernels (interpret mode here) run per shard under a data x expert x tensor mesh
     (layers/kda.py wraps them in a shard_map: batch rows over the token axes, heads over tensor)."""

@@ -8,11 +8,11 @@ the conv taps and the recurrence restart at a segment boundary.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
@@ -20,7 +20,7 @@ from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.sharding import BATCH_AXES, axis_sizes, context_mesh, fit_spec
+from ling_jax.sharding import context_mesh, multi_device, per_shard
 
 
 def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
@@ -72,18 +72,28 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
                                     **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})
 
-    if mesh is None or mesh.size == 1 or resolve_impl(cfg.kda_impl) != "pallas":
+    if not multi_device(mesh) or resolve_impl(cfg.kda_impl) != "pallas":
         return op(**args)
     if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
         args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)
-    sizes = axis_sizes(mesh)
-    b, h = args["q"].shape[0], args["q"].shape[2]
-    bax = fit_spec((b,), (BATCH_AXES,), sizes)[0]
-    hax = fit_spec((h,), ("tensor",), sizes)[0]
-    specs = {k: P(*({"b": bax, "h": hax}.get(c) for c in _KDA_DIMS[k])) for k in args}
-    fn = jax.shard_map(lambda a: op(**a), mesh=mesh, in_specs=(specs,),
-                       out_specs=(P(bax, None, hax, None), P(bax, hax, None, None)), check_vma=False)
-    return fn(args)
+    return per_shard(op, args, _KDA_DIMS, ("b.h.", "bh.."), mesh=mesh, batch=args["q"].shape[0],
+                     heads=args["q"].shape[2])
+
+
+def _decode_step(q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: jax.Array, beta_BH: jax.Array,
+                 state_BHKV: jax.Array, *, cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
+    """One KDA token per row on the cached state: the Pallas kernel when `cfg.pallas_decode("kda")`
+    (per shard under a multi-device context mesh: rows over the token axes, heads over tensor), else XLA."""
+    scale = cfg.head_dim**-0.5
+    if not cfg.pallas_decode("kda"):
+        return kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, scale=scale)
+    step = functools.partial(kda_decode_step_pallas, scale=scale)
+    args = dict(q_BHK=q_BHK, k_BHK=k_BHK, v_BHV=v_BHV, g_BHK=g_BHK, beta_BH=beta_BH, state_BHKV=state_BHKV)
+    mesh = context_mesh()
+    if not multi_device(mesh):
+        return step(**args)
+    dims = {"q_BHK": "bh.", "k_BHK": "bh.", "v_BHV": "bh.", "g_BHK": "bh.", "beta_BH": "bh", "state_BHKV": "bh.."}
+    return per_shard(step, args, dims, ("bh.", "bh.."), mesh=mesh, batch=q_BHK.shape[0], heads=q_BHK.shape[1])
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
@@ -128,9 +138,8 @@ def kda_mixer(
     with jax.named_scope("recurrence"):
         if t == 1 and cache is not None:  # decode: one recurrent step on the cached state
             g_BHK = kda_gate(f_BTHK, p["A_log"], p["dt_bias"], cfg.kda_lower_bound)[:, 0] if gate_kw else f_BTHK[:, 0]
-            step = kda_decode_step_pallas if cfg.pallas_decode("kda") else kda_decode_step
-            o_BHV, state = step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
-                                g_BHK, beta_BTH[:, 0], cache["state"], scale=dh**-0.5)
+            o_BHV, state = _decode_step(l2_normalize(q_BTHK[:, 0]), l2_normalize(k_BTHK[:, 0]), v_BTHV[:, 0],
+                                        g_BHK, beta_BTH[:, 0], cache["state"], cfg=cfg)
             o_BTHV = o_BHV[:, None]
         else:
             o_BTHV, state = _sharded_kda(

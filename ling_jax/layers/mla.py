@@ -8,6 +8,7 @@ per-element) sigmoid output gate, then `dense`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
+from ling_jax.sharding import context_mesh, multi_device, per_shard
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
 
@@ -94,6 +96,23 @@ def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
 
+def _attend(q_BHW: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
+            cfg: LingConfig) -> jax.Array:
+    """The decode attention over the latent cache [B, H, r]: the Pallas kernel when
+    `cfg.pallas_decode("mla")` (per shard under a multi-device context mesh: rows over the token
+    axes, as the cache is laid out, heads over tensor), else the XLA loop."""
+    kw = dict(rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
+    if not cfg.pallas_decode("mla"):
+        return latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, **kw)
+    args = dict(q_BHW=q_BHW, cache_BSW=latent_BSW, lengths_B=lengths_B, new_BW=new_BW)
+    mesh = context_mesh()
+    if not multi_device(mesh):
+        return latent_attention_pallas(**args, **kw)
+    dims = {"q_BHW": "bh.", "cache_BSW": "b..", "lengths_B": "b", "new_BW": "b."}
+    return per_shard(functools.partial(latent_attention_pallas, **kw), args, dims, "bh.", mesh=mesh,
+                     batch=q_BHW.shape[0], heads=q_BHW.shape[1])
+
+
 def mla_decode(
     p: dict[str, Any], x_BD: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, *, cfg: LingConfig,
     cos: jax.Array, sin: jax.Array,
@@ -114,8 +133,7 @@ def mla_decode(
     w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
     q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
     q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
-    attend = latent_attention_pallas if cfg.pallas_decode("mla") else latent_attention
     with jax.named_scope("latent_attention"):
-        m_BHR = attend(q_BHW, latent_BSW, lengths_B, new_BW, rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
+        m_BHR = _attend(q_BHW, latent_BSW, lengths_B, new_BW, cfg=cfg)
     o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
     return mla_output(p, o_BHV[:, None], x_B1D)[:, 0], new_BW

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.pallas_gpu import auto_picks_kernels
+from ling_jax.ops.pallas_gpu import one_gpu
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
@@ -104,7 +104,7 @@ def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked
     if impl != "auto":
         return impl
     if decode:
-        return "gemv" if stacked and auto_picks_kernels() else "gather"
+        return "gemv" if stacked and one_gpu() else "gather"
     backend = jax.default_backend()
     if backend == "tpu":
         return "gmm"

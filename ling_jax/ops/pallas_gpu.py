@@ -8,13 +8,18 @@ import jax
 from jax.experimental import pallas as pl
 
 
-def auto_picks_kernels() -> bool:
-    """Whether "auto" picks these kernels: on a GPU (where they were timed) without a multi-device
-    context mesh (GSPMD cannot split a kernel: it would gather the sharded operands to run it)."""
-    from ling_jax.sharding import context_mesh
+def on_gpu() -> bool:
+    """Whether "auto" picks the decode-step kernels: on a GPU, where they were timed (under a
+    multi-device mesh they run per shard, `sharding.per_shard`)."""
+    return jax.default_backend() == "gpu"
 
-    mesh = context_mesh()
-    return jax.default_backend() == "gpu" and (mesh is None or mesh.size == 1)
+
+def one_gpu() -> bool:
+    """`on_gpu` without a multi-device context mesh: where "auto" picks the routed-expert gemv kernel
+    (under a mesh the experts run in the MoE's own shard_map, on the XLA paths)."""
+    from ling_jax.sharding import context_mesh, multi_device
+
+    return on_gpu() and not multi_device(context_mesh())
 
 
 def is_pow2(n: int) -> bool:
