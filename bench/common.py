@@ -11,6 +11,7 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,12 +29,27 @@ from ling_jax.config import LingConfig, QuantConfig
 from ling_jax.params import ParamSlot, build_tree, get_path
 
 
+def _git_revision() -> str | None:
+    """HEAD of the checkout the bench runs from (+ "-dirty" with uncommitted changes), or None (no git:
+    e.g. a copied tree)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
+
+
 def machine() -> dict[str, Any]:
     import flax
     import optax
 
     dev = jax.devices()[0]
     return {"device": dev.device_kind, "platform": dev.platform, "n_devices": jax.device_count(),
+            "git": _git_revision(),
             "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(sys.argv)}

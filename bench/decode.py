@@ -152,7 +152,8 @@ def main() -> None:
             print(f"B={b:4d} ctx={ctx:6d}: {ms:8.3f} ms/step  {b * 1e3 / ms:10.1f} tok/s  floor {floor_ms:.3f} ms "
                   f"({ms / floor_ms:.2f}x)  [first call {compile_s:.1f} s]", flush=True)
             if args.profile:
-                run["profile"] = prof = device_profile(call, f"{args.profile}/b{b}_c{ctx}")
+                run["profile"] = prof = device_profile(call, f"{args.profile}/b{b}_c{ctx}",
+                                                       copies_module_re="decode_loop")
                 prof["ms_per_step_busy"] = 1e3 * prof["device_busy_s_per_call"] / args.steps
                 prof["kernels_per_step"] = prof["kernels_per_call"] / args.steps
                 print_profile(prof)

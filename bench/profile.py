@@ -77,33 +77,39 @@ def hlo_op_paths(hlo_dir: str) -> dict[tuple[int, str], str]:
     return out
 
 
-_COPY_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* copy(?:-start)?\((.*)$")
+_COPY_HEAD = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \(?(\w+)\[([\d,]*)\]")
+_COPY_OP = re.compile(r"[\s)}] ?(copy|copy-start)\((.*)$")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
           "f64": 8, "s64": 8}
 
 
-def hlo_copies(hlo_dir: str, top: int = 15) -> list[dict[str, Any]]:
-    """The largest `copy` instructions of the optimised-HLO dumps (what XLA copies that the program did
-    not ask for, e.g. a sliced operand of a custom call): shape, MB, count of equal ones, and the
-    operand text (which names the instruction copied from)."""
-    seen: dict[tuple[str, str], dict[str, Any]] = {}
+def hlo_copies(hlo_dir: str, top: int = 15, module_re: str | None = None) -> list[dict[str, Any]]:
+    """The largest `copy` / `copy-start` instructions of the optimised-HLO dumps (what XLA copies
+    that the program did not ask for, e.g. a sliced operand of a custom call), per compiled module
+    (`module_re` filters the module names): module, shape (a copy-start's copied value), MB, how
+    many such instructions there are (not how often they run) and the operand text."""
+    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
     for path in glob.glob(os.path.join(hlo_dir, "module_*after_optimizations.txt")):
+        module = os.path.basename(path).split(".")[1]
+        if module_re and not re.search(module_re, module):
+            continue
         with open(path) as f:
             for line in f:
-                m = _COPY_LINE.match(line)
-                if not m:
+                head, op = _COPY_HEAD.match(line), _COPY_OP.search(line)
+                if not head or not op:
                     continue
-                dims = [int(d) for d in m.group(3).split(",") if d]
-                mb = _BYTES.get(m.group(2), 4) * (math.prod(dims) if dims else 1) / 1e6
-                operand = m.group(4).split(", metadata")[0][:160]
-                key = (f"{m.group(2)}{dims}", re.sub(r"[.\d]+", "", operand))
-                row = seen.setdefault(key, {"shape": key[0], "MB": mb, "count": 0, "operand": operand})
+                dims = [int(d) for d in head.group(3).split(",") if d]
+                mb = _BYTES.get(head.group(2), 4) * (math.prod(dims) if dims else 1) / 1e6
+                operand = op.group(2).split(", metadata")[0][:160]
+                key = (module, f"{head.group(2)}{dims}", re.sub(r"[.\d]+", "", operand))
+                row = seen.setdefault(key, {"module": module, "shape": key[1], "MB": mb, "count": 0,
+                                            "operand": operand})
                 row["count"] += 1
     return sorted(seen.values(), key=lambda r: -r["MB"] * r["count"])[:top]
 
 
 def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: int = 25,
-                   hlo_dir: str | None = None) -> dict[str, Any]:
+                   hlo_dir: str | None = None, copies_module_re: str | None = None) -> dict[str, Any]:
     """Traces `calls` synchronised calls of fn() (call it once before, to compile) and summarises them.
 
     Returns wall seconds per call, device busy seconds per call (union of kernel intervals), the
@@ -141,7 +147,7 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
                         for n, d in rows[:top]],
         "by_op_path": [{"name": n, "count_per_call": len(d) / calls, "total_ms_per_call": sum(d) / 1e6 / calls,
                             "mean_us": sum(d) / len(d) / 1e3} for n, d in path_rows[:top]] if paths else [],
-        "hlo_copies": hlo_copies(hlo_dir) if hlo_dir else [],
+        "hlo_copies": hlo_copies(hlo_dir, module_re=copies_module_re) if hlo_dir else [],
     }
 
 
@@ -161,4 +167,5 @@ def print_profile(summary: dict[str, Any]) -> None:
     if summary.get("hlo_copies"):
         print("  largest copies in the optimised HLO:", flush=True)
     for r in summary.get("hlo_copies", []):
-        print(f"    {r['count']:4d} x {r['MB']:9.2f} MB  {r['shape']}  <- {r['operand'][:100]}", flush=True)
+        print(f"    {r['count']:4d} x {r['MB']:9.2f} MB  {r['shape']}  <- {r['operand'][:80]}  [{r['module']}]",
+              flush=True)

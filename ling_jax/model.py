@@ -115,9 +115,6 @@ def _limits(cfg: LingConfig, layers: np.ndarray) -> jnp.ndarray:
 LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Array, Any]]
 
 
-EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
-
-
 def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Params | None, dict[str, jax.Array]]:
     """Takes the routed-expert stacks out of layer-stacked params `t` (`lead` stack axes).
 
@@ -129,7 +126,7 @@ def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Param
     if t is None or "router" not in t["mlp"]:
         return t, {}
     mlp_p, stacks = dict(t["mlp"]), {}
-    for name in EXPERT_LEAVES:
+    for name in moe_ops.EXPERT_LEAVES:
         w = mlp_p[name]
         if isinstance(w, jax.Array) and w.dtype == dtype:
             stacks[name] = w.reshape(-1, *w.shape[lead:])
@@ -153,12 +150,13 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
     `unroll` unrolls the scans into a straight-line program (one decode step: no loop overhead
     between layers, at the cost of compiling every layer separately). Unrolled, where the MoE
-    would run the gemv kernel (`ops.moe.resolve_impl`), the routed-expert weights reach it as
+    will run the gemv kernel (`ops.moe.wants_stacks`), the routed-expert weights reach it as
     `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
     whole every step, and the XLA impls are faster on the plain slices).
     """
-    copies = x.shape[0] * x.shape[1] * cfg.num_experts_per_tok
-    views = unroll and moe_ops.resolve_impl(cfg.moe_impl, x.dtype, copies, stacked=True) == "gemv"
+    views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
+        cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
+        cfg.moe_intermediate_size)
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]

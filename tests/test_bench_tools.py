@@ -57,15 +57,21 @@ def test_hlo_op_paths_name_the_named_scopes(tmp_path):
 
 
 def test_hlo_copies_lists_the_largest_copies(tmp_path):
-    """Copies in an optimised-HLO dump are grouped by shape and operand and sorted by bytes."""
+    """Copies (and copy-starts, whose result is a tuple) in optimised-HLO dumps are grouped by module,
+    shape and operand, sorted by bytes, and filtered by module name."""
     (tmp_path / "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(
         "  %slice.3 = bf16[128,1536,512]{2,1,0} slice(bf16[4,128,1536,512]{3,2,1,0} %p.1), slice={[1:2]}\n"
         "  %copy.1 = bf16[128,1536,512]{2,1,0} copy(bf16[128,1536,512]{2,1,0} %slice.3), metadata={op_name=\"a\"}\n"
         "  %copy.2 = bf16[128,1536,512]{2,1,0} copy(bf16[128,1536,512]{2,1,0} %slice.4)\n"
-        "  ROOT %copy-start.5 = f32[16,128]{1,0} copy-start(f32[16,128]{1,0} %x.2)\n")
-    rows = hlo_copies(str(tmp_path))
-    assert [(r["shape"], r["count"]) for r in rows] == [("bf16[128, 1536, 512]", 2), ("f32[16, 128]", 1)]
+        "  %copy-start.5 = (f32[16,128]{1,0}, f32[16,128]{1,0}, u32[]) copy-start(f32[16,128]{1,0} %x.2)\n"
+        "  %fusion.9 = f32[16,128]{1,0} fusion(f32[16,128]{1,0} %copy.1), kind=kLoop\n")
+    (tmp_path / "module_0009.jit_other.sm_9.0_gpu_after_optimizations.txt").write_text(
+        "  ROOT %copy.7 = f32[4]{0} copy(f32[4]{0} %y)\n")
+    rows = hlo_copies(str(tmp_path), module_re="step")
+    assert [(r["module"], r["shape"], r["count"]) for r in rows] == [
+        ("jit_step", "bf16[128, 1536, 512]", 2), ("jit_step", "f32[16, 128]", 1)]
     assert rows[0]["MB"] == 128 * 1536 * 512 * 2 / 1e6 and "%slice.3" in rows[0]["operand"]
+    assert {r["module"] for r in hlo_copies(str(tmp_path))} == {"jit_step", "jit_other"}
 
 
 @pytest.mark.heavy

@@ -81,6 +81,33 @@ def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
 
 
+@pytest.mark.heavy
+def test_auto_gemv_reads_every_layer_from_its_stack(monkeypatch):
+    """On a "GPU" (patched; the kernel runs in interpret mode) `auto` decodes through ExpertStacks and
+    the gemv kernel in every MoE layer — 11 layers: two groups (layer offsets n x (G-1) + j) and a
+    run segment — and gives the one-device XLA step's logits."""
+    from ling_jax.ops import expert_gemv
+    from ling_jax.ops import moe as moe_ops
+
+    cfg = LingConfig.preset("debug", num_hidden_layers=11)
+    params = init_params(cfg, seed=5)
+    rng = np.random.default_rng(6)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)))
+    lengths, forced = jnp.asarray([7, 3]), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 2)))
+    want = _teacher_forced(cfg, params, prompt, lengths, forced, 12, True)
+    calls = []
+    real = expert_gemv.gathered_products
+    monkeypatch.setattr(expert_gemv, "gathered_products", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setattr(moe_ops, "one_gpu", lambda: True)
+    got = _teacher_forced(dataclasses.replace(cfg, moe_impl="auto", kda_impl="chunked"), params, prompt, lengths,
+                          forced, 12, True)
+    assert rel_l2(got, want) < 1e-5
+    n_moe = sum(ffn == "moe" for _, ffn in cfg.layer_kinds)
+    assert len(calls) == 2 * n_moe  # gate+up, then down, in every MoE layer of the traced step
+    lead = {w.shape[0] // cfg.num_experts for ws in calls for w in ws}  # layers in each stack read from
+    assert all(w.shape[0] % cfg.num_experts == 0 for ws in calls for w in ws) and max(lead) > 1, lead
+
+
 def test_absorbed_equals_expanded_attention(debug_model):
     """The latent-cache (absorbed) attention of the last token == the expanded K/V attention."""
     cfg, params = debug_model

@@ -16,6 +16,7 @@ from ling_jax.layers.moe import route
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.ops import moe as moe_ops
+from ling_jax.ops import pallas_gpu
 from ling_jax.ops.moe import routed_experts
 
 
@@ -102,19 +103,25 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
     assert not cfg.pallas_decode("mla") and not cfg.pallas_decode("kda")
     assert dataclasses.replace(cfg, decode_impl="pallas").pallas_decode("kda")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_gpu, "on_gpu", lambda: True)  # an sm80+ NVIDIA GPU
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gemv"
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=False) == "gather"
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 65, stacked=True) != "gemv"
     assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")
     assert not dataclasses.replace(cfg, decode_impl="xla").pallas_decode("mla")
     assert not dataclasses.replace(cfg, head_dim=24).pallas_decode("kda")  # not a power of two
-    w = moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 16)), jnp.int32(1))
-    assert moe_ops.gemv_tiles(w, moe_ops.ExpertStack(jnp.zeros((2, 8, 16, 64)), jnp.int32(1)))
-    assert not moe_ops.gemv_tiles(moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 12)), jnp.int32(1)), w)
+    w_in, w_out = (moe_ops.ExpertStack(jnp.zeros((2, 8, *s)), jnp.int32(1)) for s in ((64, 16), (16, 64)))
+    assert moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.float32)
+    assert not moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.bfloat16)  # would convert the whole stacks
+    assert not moe_ops.gemv_tiles((w_in, jnp.zeros((8, 64, 16)), w_out), jnp.float32)
+    assert not moe_ops.gemv_tiles((moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 12)), jnp.int32(1)),) * 3, jnp.float32)
+    assert moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 16)
+    assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 24)  # no tile: the plain slices
+    assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 128, 64, 16)  # beyond decode sizes
     with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: the decode-step kernels per
         assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")  # shard, the experts on the XLA path
         assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
+        assert not moe_ops.wants_stacks("gemv", jnp.bfloat16, 16, 64, 16)
 
 
 def test_short_conv_state_continues_sequence():

@@ -305,6 +305,25 @@ def test_moe_layer_indivisible_experts_and_bf16():
         assert yb.dtype == jnp.bfloat16 and rel_l2(yb, y_ref) <= 2e-2
 
 
+def test_moe_gemv_impl_under_a_mesh():
+    """moe_impl="gemv" at decode size (the one-device Pallas kernel) under a mesh: the expert-parallel
+    shards run the gather path instead, and the layer equals the one-device gemv result."""
+    cfg = LingConfig.preset("debug", moe_impl="gemv")
+    rng = np.random.default_rng(4)
+    e, d, i, sh = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    shapes = {"router": (d, e), "gate_proj": (e, d, i), "up_proj": (e, d, i), "down_proj": (e, i, d),
+              "shared_gate_proj": (d, sh), "shared_up_proj": (d, sh), "shared_down_proj": (sh, d)}
+    p = {n: jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32) for n, s in shapes.items()}
+    p["expert_bias"] = jnp.zeros(e)
+    x = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.float32)  # 6 tokens x k copies: decode-sized
+    fwd = jax.jit(lambda p, x: moe(p, x, cfg=cfg)[0])
+    y_ref = fwd(p, x)
+    mesh = ling_jax.make_mesh(data=2, expert=4)
+    with jax.set_mesh(mesh):
+        y = fwd(place_moe_params(p, mesh), x)
+    assert rel_l2(y, y_ref) <= 1e-5
+
+
 # ----------------------------------------------------------------------------- grouped-matmul kernels
 
 

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
-from ling_jax.ops.moe import expert_counts, materialize, routed_experts, routed_partial
+from ling_jax.ops.moe import EXPERT_LEAVES, expert_counts, materialize, routed_experts, routed_partial
 
 
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
@@ -91,6 +91,9 @@ def expert_parallel(
     spec_out = sharding.spec("expert_out", w_down_EID.shape, mesh)
     spec_in = tuple(spec_in) + (None,) * (3 - len(spec_in))
     ep_on, fsdp_on, tp_on = spec_in[0] == "expert", spec_in[1] == "fsdp", spec_in[2] == "tensor"
+    # the gemv kernel cannot run inside this shard_map (its pallas_call has no manual-axis output
+    # types under check_vma), and it is a one-device decode kernel anyway: the shards gather
+    local_impl = "gather" if impl == "gemv" else impl
     tok = P(tok_axes if tok_axes else None, None)
 
     def local(x_ND, idx_NK, w_NK, wg_LDI, wu_LDI, wd_LID, limit):
@@ -103,7 +106,7 @@ def expert_parallel(
         if ep_on:
             x_GD, idx_GK, w_GK = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_ND, idx_NK, w_NK))
             first = jax.lax.axis_index("expert") * wg_LDI.shape[0]
-        y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=impl)
+        y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=local_impl)
         y_ND = jax.lax.psum_scatter(y_GD, "expert", scatter_dimension=0, tiled=True) if ep_on else y_GD
         if tp_on:
             y_ND = jax.lax.psum(y_ND, "tensor")
@@ -139,7 +142,7 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
         else:
             y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK,
-                                             *(materialize(p[n]) for n in ("gate_proj", "up_proj", "down_proj")),
+                                             *(materialize(p[n]) for n in EXPERT_LEAVES),
                                              limit=limit, impl=cfg.moe_impl, mesh=mesh)
     if "shared_gate_proj" in p:
         with jax.named_scope("shared"):

@@ -12,9 +12,10 @@ batch 1 and drops to one per row at large batch.
 
 Triton lowering on GPU; interpret mode elsewhere (tests). Needs the latent rank and rope width to
 be powers of two (Ling: 512 and 64), see `supported`. Used by `mla_decode` when the config's
-`pallas_decode("mla")` says so ("pallas", or "auto" on one GPU). On an H200 (Ling-3.0-tiny widths):
-31 us per layer at batch 1 / 32k against 990 us for the XLA loop, 1.9-2.4 TB/s at batch 16-128
-(tiles from a sweep, BENCHMARKS.md). GSPMD cannot split the kernel: under a multi-device mesh
+`pallas_decode("mla")` says so ("pallas", or "auto" on a GPU). On an H200 (Ling-3.0-tiny widths,
+timed alone by `bench/decode_kernels.py`): 47 us at batch 1 / 32k against 990 us for the XLA loop
+(31 us per layer inside the decode step), 1.9-2.4 TB/s at batch 16-128 (tiles from a sweep,
+BENCHMARKS.md). GSPMD cannot split the kernel: under a multi-device mesh
 `layers.mla` runs it per shard (`sharding.per_shard`: rows over the token axes, as the cache is
 laid out, heads over tensor).
 """

@@ -48,6 +48,7 @@ from ling_jax.ops import expert_gemv
 from ling_jax.ops.pallas_gpu import one_gpu
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
 
@@ -61,11 +62,12 @@ GMM_TILE = 128
 class ExpertStack:
     """One layer's routed-expert weights [E, C, O], left inside its segment's stack [L, E, C, O].
 
-    The unrolled decode step (`model.run_stack`) hands these to the MoE when `moe_impl` is "gemv":
-    the Pallas kernel then reads the layer straight from the stack (expert ids offset by
-    layer x E). A sliced stack passed to a custom call is first copied whole by XLA: on an H200
-    that was 69 copies of 201 MB per Ling-3.0-tiny decode step, 6.3 ms (BENCHMARKS.md). The XLA
-    impls take `materialize(w)`, the plain slice, which XLA fuses into their gathers.
+    The unrolled decode step (`model.run_stack`) hands these to the MoE where the gemv kernel will
+    run (`wants_stacks`): the kernel then reads the layer straight from the stack (expert ids
+    offset by layer x E). A sliced stack passed to a custom call is first copied whole by XLA: on
+    an H200 that was 69 copies of 201 MB per Ling-3.0-tiny decode step, 6.3 ms (BENCHMARKS.md).
+    Any other impl takes `materialize(w)`, a dynamic slice of the stack; for the grouped matmul
+    that cost 6 ms per step in copies (BENCHMARKS.md), which is why stacks are made only for gemv.
     """
 
     stack: jax.Array  # [L, E, C, O]
@@ -81,10 +83,22 @@ def materialize(w: jax.Array | ExpertStack) -> jax.Array:
     return w.stack[w.layer] if isinstance(w, ExpertStack) else w
 
 
-def gemv_tiles(w_gate: jax.Array | ExpertStack, w_down: jax.Array | ExpertStack) -> bool:
-    """Whether the weights are `ExpertStack`s whose [C, O] the gemv kernel can tile."""
-    return (isinstance(w_gate, ExpertStack) and expert_gemv.supported(*w_gate.shape[1:])
-            and expert_gemv.supported(*w_down.shape[1:]))
+def gemv_tiles(ws: tuple[jax.Array | ExpertStack, ...], dtype: jnp.dtype) -> bool:
+    """Whether the (gate, up, down) weights are all `ExpertStack`s in `dtype` whose [C, O] the gemv
+    kernel can tile (so it reads them from their stacks, unconverted)."""
+    return all(isinstance(w, ExpertStack) and w.stack.dtype == dtype and expert_gemv.supported(*w.shape[1:])
+               for w in ws)
+
+
+def wants_stacks(impl: str, dtype: jnp.dtype, copies: int, hidden: int, intermediate: int) -> bool:
+    """Whether a step's MoE layers should get `ExpertStack`s: where, with them, `resolve_impl` picks
+    the gemv kernel, the kernel tiles [hidden, intermediate] and [intermediate, hidden], and there is
+    no multi-device context mesh (the expert-parallel MoE runs the XLA paths on its shards)."""
+    from ling_jax.sharding import context_mesh, multi_device
+
+    tiles = expert_gemv.supported(hidden, intermediate) and expert_gemv.supported(intermediate, hidden)
+    return (tiles and not multi_device(context_mesh())
+            and resolve_impl(impl, dtype, copies, stacked=True) == "gemv")
 
 
 def _is_sm90() -> bool:
@@ -99,7 +113,7 @@ def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked
     if impl not in IMPLS:
         raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
     decode = copies is not None and copies <= GATHER_MAX_COPIES
-    if impl == "gemv" and not decode:
+    if impl == "gemv" and copies is not None and not decode:
         return resolve_impl("auto", dtype, copies)  # a decode kernel: N * k weight reads beyond that
     if impl != "auto":
         return impl
@@ -287,17 +301,19 @@ def routed_partial(
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
-    impl = resolve_impl(impl, x_ND.dtype, n * k, stacked=gemv_tiles(w_gate_LDI, w_down_LID))
+    stacks = (w_gate_LDI, w_up_LDI, w_down_LID)
+    stacked = gemv_tiles(stacks, x_ND.dtype)
+    impl = resolve_impl(impl, x_ND.dtype, n * k, stacked=stacked)
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":
         dt = x_ND.dtype
         sel_M = jnp.where(is_local_NK, local_NK, 0).reshape(-1)
-        stacks = (w_gate_LDI, w_up_LDI, w_down_LID)
-        if isinstance(w_gate_LDI, ExpertStack):  # the kernel reads the layer from the stack: no copy
+        if stacked:  # the kernel reads the layer from the stacks: no copy
             sel_M = sel_M + w_gate_LDI.layer * n_local
-            stacks = tuple(w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
-        wg, wu, wd = (w.astype(dt) for w in stacks)
+            wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
+        else:
+            wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
         g_MI, u_MI = expert_gemv.gathered_products(jnp.repeat(x_ND, k, axis=0), sel_M, (wg, wu))
         h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
         (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,))

@@ -9,9 +9,16 @@ from jax.experimental import pallas as pl
 
 
 def on_gpu() -> bool:
-    """Whether "auto" picks the decode-step kernels: on a GPU, where they were timed (under a
-    multi-device mesh they run per shard, `sharding.per_shard`)."""
-    return jax.default_backend() == "gpu"
+    """Whether "auto" picks the decode-step kernels: on an NVIDIA GPU of compute capability 8.0 or
+    newer (Triton's bf16 dots; timed on an H200), under a multi-device mesh per shard
+    (`sharding.per_shard`). Other GPUs (older, or ROCm's gfx names) keep the XLA forms."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return False
+    try:
+        return float(getattr(dev, "compute_capability", "0")) >= 8.0
+    except ValueError:
+        return False
 
 
 def one_gpu() -> bool:

@@ -54,11 +54,11 @@ def reference(q, k, v, f, beta, a_log, dt_bias, h0, segment_ids=None, chunk_size
 
 
 def pallas(q, k, v, f, beta, a_log, dt_bias, h0, segment_ids=None, chunk_size=64, states=False,
-           backend=None):
+           backend=None, **kw):
     return kda_pallas(q, k, v, f, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
                       segment_ids=segment_ids, chunk_size=chunk_size, return_chunk_states=states,
                       use_qk_l2norm=True, a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-                      backend=backend)
+                      backend=backend, **kw)
 
 
 def awkward_segments(b: int, t: int) -> jnp.ndarray:
@@ -112,6 +112,20 @@ def test_forward_unfused_gate_through_api_chunk32():
     ro, rht, rcs = kimi_delta_attention(qn, kn, v, g, beta, initial_state=h0, impl="reference",
                                         chunk_size=32, return_chunk_states=True)
     assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5
+
+
+@pytest.mark.parametrize("backend", [None, pytest.param("tpu", marks=pytest.mark.heavy)])
+def test_split_intra_equals_fused(backend):
+    """The chunk-parallel forward as two launches (split_intra) computes what the fused one does:
+    o, the final state and the chunk states (which depend on all six per-chunk products), with
+    segments, an initial state and a partial last chunk."""
+    x = make_inputs(31, 2, 100, 2, 32, 32)
+    segs = awkward_segments(2, 100)
+    fused = pallas(*x, segment_ids=segs, states=True, backend=backend)
+    split = pallas(*x, segment_ids=segs, states=True, backend=backend, split_intra=True)
+    for a, b in zip(split, fused, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert rel_l2(split[0], reference(*x, segment_ids=segs)[0]) < 2e-5
 
 
 @pytest.mark.heavy
@@ -196,7 +210,7 @@ def test_tpu_variant_forward():
 # ------------------------------------------------------------------------------------------------
 
 
-def _export_fwd_and_grad(backend: str, platform: str):
+def _export_fwd_and_grad(backend: str, platform: str, **kw):
     b, t, h, dk = 1, 128, 2, 128
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -206,7 +220,7 @@ def _export_fwd_and_grad(backend: str, platform: str):
 
     def fwd(*a):
         return kda_pallas(*a[:5], scale=dk ** -0.5, initial_state=a[7], use_qk_l2norm=True, a_log=a[5],
-                          dt_bias=a[6], backend=backend, interpret=False)
+                          dt_bias=a[6], backend=backend, interpret=False, **kw)
 
     def loss(*a):
         o, ht = fwd(*a)
@@ -218,8 +232,9 @@ def _export_fwd_and_grad(backend: str, platform: str):
         assert exp.mlir_module()
 
 
-def test_triton_lowering(h200_lowering):
-    _export_fwd_and_grad("triton", "cuda")
+@pytest.mark.parametrize("split_intra", [False, True])
+def test_triton_lowering(h200_lowering, split_intra):
+    _export_fwd_and_grad("triton", "cuda", split_intra=split_intra)
 
 
 def test_tpu_lowering(monkeypatch):

@@ -7,9 +7,10 @@ state (it walks the state with K fastest). `kda_decode_step_pallas` does the ste
 one pass over the state: programs over (row, head, block of V columns), each holding its [K, BV]
 slice, written back in place.
 Triton lowering on GPU, interpret mode elsewhere. The config's `pallas_decode("kda")` selects it
-("pallas", or "auto" on one GPU). Timed alone on an H200 (`bench/decode_kernels.py`), it is as fast
-as the XLA step at batch 1 (13 vs 14 us: both launch-bound at 1 MB of state) and faster at batch 16
-(27 vs 35 us); in the unrolled step it takes 2.9 us per layer at batch 1 (BENCHMARKS.md).
+("pallas", or "auto" on a GPU). Timed alone on an H200 (`bench/decode_kernels.py`), it is as fast
+as the XLA step at batch 1 (13 vs 14 us: both launch-bound at 1 MB of state), slower at batch 8
+(23 vs 15 us) and faster at batch 16 (27 vs 35 us); in the unrolled step it takes 2.9 us per layer
+at batch 1 (BENCHMARKS.md). Its tiles are not yet tuned per batch size.
 """
 
 from __future__ import annotations

@@ -111,16 +111,24 @@ def _fwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks):
         jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32),  # gamma
     ]
     out_specs = [_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, c), _chk(1, dk)]
-    return pl.pallas_call(
-        functools.partial(pc.fwd_intra_kernel, cfg),
-        out_shape=out_shape,
-        grid=(b, h, nt),
-        in_specs=[*_input_specs(cfg), _tok(cfg, dv)],
-        out_specs=out_specs,
-        compiler_params=_compiler_params(cfg, cfg.warps_intra),
-        interpret=cfg.interpret,
-        name="kda_fwd_intra",
-    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v)
+    ins = _inputs(cfg, q, k, g, beta, a_log, dt, masks)
+
+    def launch(kernel, name: str, outs: slice, with_v: bool) -> list[jax.Array]:
+        return pl.pallas_call(
+            functools.partial(kernel, cfg),
+            out_shape=out_shape[outs],
+            grid=(b, h, nt),
+            in_specs=[*_input_specs(cfg), *([_tok(cfg, dv)] if with_v else [])],
+            out_specs=out_specs[outs],
+            compiler_params=_compiler_params(cfg, cfg.warps_intra),
+            interpret=cfg.interpret,
+            name=name,
+        )(*ins, *([v] if with_v else []))
+
+    if cfg.split_intra:
+        return [*launch(pc.fwd_wu_kernel, "kda_fwd_wu", slice(0, 2), True),
+                *launch(pc.fwd_qk_kernel, "kda_fwd_qk", slice(2, 6), False)]
+    return launch(pc.fwd_intra_kernel, "kda_fwd_intra", slice(0, 6), True)
 
 
 def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
@@ -442,6 +450,7 @@ def kda_pallas(
     block_v: int | None = None,
     block_v_bwd: int | None = None,
     num_warps: tuple[int, int, int] | None = None,
+    split_intra: bool = False,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
 
@@ -449,6 +458,7 @@ def kda_pallas(
     and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
+    `split_intra`: the chunk-parallel forward as two launches (`Cfg.split_intra`).
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -473,7 +483,7 @@ def kda_pallas(
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2])
+              bv_bwd=bvb, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2], split_intra=split_intra)
 
     def pad_t(x):
         if t_pad == t:

@@ -56,6 +56,7 @@ class Cfg:
     bv: int  # value columns per program of the sequential kernels
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
     warps_intra: int = 4
+    split_intra: bool = False  # fwd_intra as two launches (W/U; Qg/Kg/Aqk/gamma): not yet timed
     warps_state: int = 4
     warps_bwd: int = 8
     stages_state: int = 2
@@ -360,23 +361,13 @@ def pl_program_id(axis: int):
     return pl.program_id(axis)
 
 
-def fwd_intra_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel forward, one (batch, head, chunk) per program.
-
-    Reads q, k, v, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the
-    L2 norms, the in-chunk cumulative decay, At, the triangular inverse M and W, U, Qg, Kg, Aqk and
-    gamma, all on chip; writes W, U, Qg, Kg [C, K|V], Aqk [C, C] (compute dtype) and gamma [1, K].
-    """
-    ins, i = _unpack_inputs(cfg, list(refs))
-    v_ref = refs[i]
-    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref = refs[i + 1:i + 7]
+def _fwd_wu(cfg: Cfg, p: Prep, m, it: Intra, v, w_ref, u_ref) -> None:
+    """W = M diag(beta m) (exp(G) * k) and U = M diag(beta) v of one chunk, written to w_ref, u_ref."""
     n = cfg.chunk // BC
-    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    it = intra(cfg, p, s)
     at = pair_blocks(cfg, it, it.kb, strict=True)
     beta_b = split_rows(cfg, p.beta, n)
     M = solve_blocks(cfg, at, beta_b)
-    v_b = split_rows(cfg, v_ref[...].astype(F32), n)
+    v_b = split_rows(cfg, v.astype(F32), n)
     m_b = split_rows(cfg, m, n) if m is not None else None
     bws, bus = [], []
     for a in range(n):
@@ -384,10 +375,6 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
         coef = beta_b[a] if m_b is None else beta_b[a] * m_b[a]
         bws.append(coef * gam_a * it.kb[a])
         bus.append(beta_b[a] * v_b[a])
-        qg_a = cfg.scale * gam_a * it.qb[a]
-        if m_b is not None:
-            qg_a = qg_a * m_b[a]
-        qg_ref[a * BC:(a + 1) * BC, :] = qg_a.astype(qg_ref.dtype)
     for a in range(n):
         w_acc = u_acc = None
         for b in range(a + 1):
@@ -397,6 +384,17 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
             u_acc = tu if u_acc is None else u_acc + tu
         w_ref[a * BC:(a + 1) * BC, :] = w_acc.astype(w_ref.dtype)
         u_ref[a * BC:(a + 1) * BC, :] = u_acc.astype(u_ref.dtype)
+
+
+def _fwd_qk(cfg: Cfg, p: Prep, m, e, it: Intra, qg_ref, kg_ref, aqk_ref, gam_ref) -> None:
+    """Qg, Kg, Aqk and gamma of one chunk, written to their refs."""
+    n = cfg.chunk // BC
+    m_b = split_rows(cfg, m, n) if m is not None else None
+    for a in range(n):
+        qg_a = cfg.scale * it.E[a] * jnp.exp(it.r[a]) * it.qb[a]
+        if m_b is not None:
+            qg_a = qg_a * m_b[a]
+        qg_ref[a * BC:(a + 1) * BC, :] = qg_a.astype(qg_ref.dtype)
     aqk = pair_blocks(cfg, it, it.qb, strict=False)
     aqk_ref[...] = (cfg.scale * assemble(aqk, n)).astype(aqk_ref.dtype)
     kappa = jnp.exp(it.G_last - it.G)
@@ -407,6 +405,38 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
     if m is not None:
         gam = gam * row(m, cfg.chunk - 1)
     gam_ref[...] = gam
+
+
+def fwd_intra_kernel(cfg: Cfg, *refs):
+    """Chunk-parallel forward, one (batch, head, chunk) per program.
+
+    Reads q, k, v, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the
+    L2 norms, the in-chunk cumulative decay, At, the triangular inverse M and W, U, Qg, Kg, Aqk and
+    gamma, all on chip; writes W, U, Qg, Kg [C, K|V], Aqk [C, C] (compute dtype) and gamma [1, K].
+    With `cfg.split_intra` this is two launches, `fwd_wu_kernel` and `fwd_qk_kernel`, each
+    recomputing the gate, norms and decays (fewer live registers per program).
+    """
+    ins, i = _unpack_inputs(cfg, list(refs))
+    v_ref = refs[i]
+    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref = refs[i + 1:i + 7]
+    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
+    it = intra(cfg, p, s)
+    _fwd_wu(cfg, p, m, it, v_ref[...], w_ref, u_ref)
+    _fwd_qk(cfg, p, m, e, it, qg_ref, kg_ref, aqk_ref, gam_ref)
+
+
+def fwd_wu_kernel(cfg: Cfg, *refs):
+    """The W, U half of `fwd_intra_kernel` (At, the triangular solve, the two products)."""
+    ins, i = _unpack_inputs(cfg, list(refs))
+    p, m, _, s = _load_prep(cfg, _chunk_index(cfg), ins)
+    _fwd_wu(cfg, p, m, intra(cfg, p, s), refs[i][...], refs[i + 1], refs[i + 2])
+
+
+def fwd_qk_kernel(cfg: Cfg, *refs):
+    """The Qg, Kg, Aqk, gamma half of `fwd_intra_kernel`."""
+    ins, i = _unpack_inputs(cfg, list(refs))
+    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
+    _fwd_qk(cfg, p, m, e, intra(cfg, p, s), *refs[i:i + 4])
 
 
 def bwd_intra_kernel(cfg: Cfg, *refs):
