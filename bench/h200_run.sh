@@ -14,4 +14,5 @@ run "${PREFILL_S:-80}" python3 bench/prefill_mla.py --out "$OUT/prefill_mla_h200
 run "${MOE_S:-120}" python3 bench/moe.py --out "$OUT/moe_h200.json"
 run "${TRAIN_S:-200}" python3 bench/train.py --out "$OUT/train_h200.json" --kda-impl chunked pallas --remat full
 run "${KDA_S:-90}" python3 bench/kda.py --out "$OUT" --no-chunked
+run "${KDA_PK_S:-90}" python3 bench/kda.py --per-kernel --heads 64 --out "$OUT"
 ls -la "$OUT"

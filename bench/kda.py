@@ -28,6 +28,7 @@ ARCHITECTURE.md §2.4; 1.9e5 for K = V = 128), forward+backward = 3x forward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -176,6 +177,7 @@ def per_kernel(args) -> None:
         dtb = jax.random.normal(ks[7], (h, 1, kd))
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
         f_intra = jax.jit(functools.partial(_k_fwd_intra, kp, cfg))
+        f_intra_split = jax.jit(functools.partial(_k_fwd_intra, kp, dataclasses.replace(cfg, split_intra=True)))
         w, u, qg, kg, aqk, gam = f_intra(q, k, v, g, beta, al, dtb)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
@@ -189,6 +191,7 @@ def per_kernel(args) -> None:
         res = {}
         for name, fn, a in (
             ("fwd_intra", f_intra, (q, k, v, g, beta, al, dtb)),
+            ("fwd_intra_split", f_intra_split, (q, k, v, g, beta, al, dtb)),
             ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
             ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
             ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
@@ -358,7 +361,7 @@ def main() -> None:
     if args.variants:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
                          ("warps_4_4_4", {"num_warps": (4, 4, 4)}), ("warps_8_4_8", {"num_warps": (8, 4, 8)}),
-                         ("bvb128", {"block_v_bwd": 128})]
+                         ("bvb128", {"block_v_bwd": 128}), ("split_intra", {"split_intra": True})]
     inputs_by_h = {}
     for h in args.heads:
         x = inputs(jax.random.PRNGKey(10 + h), 1, args.seq, h, kd, jnp.bfloat16)
