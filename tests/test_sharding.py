@@ -8,6 +8,7 @@ two-process job against one process.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import subprocess
@@ -26,12 +27,14 @@ from jax.sharding import PartitionSpec as P
 import ling_jax
 from ling_jax import distributed, sharding
 from ling_jax.config import LingConfig
+from ling_jax.generate import decode_step
 from ling_jax.layers.moe import moe
 from ling_jax.ops import moe as moe_ops
 from ling_jax.params import layer_params, param_slots
 
 MESHES = {"1x8": dict(expert=8), "2x4": dict(data=2, expert=4), "2x2x2": dict(data=2, expert=2, tensor=2)}
 HERE = Path(__file__).resolve().parent
+_STEP = jax.jit(decode_step, static_argnums=0)
 
 
 @functools.cache
@@ -183,25 +186,35 @@ def test_generate_through_mesh(golden_a):
     assert out == g["decode_generated_ids"].tolist()
 
 
-def test_decode_caches_follow_the_table(golden_a):
-    """Prefill and decode steps under a data x expert x tensor mesh lay every cache leaf out by its
-    role (rows over the token axes, KDA heads over tensor); the teacher-forced step logits stay golden."""
-    from ling_jax.cache import ROLES, init_cache
-    from ling_jax.generate import decode_step, prefill
+def _golden_steps_under_mesh(g, **overrides):
+    """Prefill + 3 teacher-forced golden decode steps under the 2x2x2 mesh, each step's logits checked
+    against the reference's: (mesh, cfg, sharded params, the cache after the steps)."""
+    from ling_jax.generate import prefill
 
-    _, _, g = golden_a
     mesh, cfg, sparams = sharded_golden("2x2x2")
+    cfg = dataclasses.replace(cfg, **overrides)
     prompt = jnp.asarray(g["decode_prompt_ids"])
-    forced = g["decode_generated_ids"]
-    step = jax.jit(decode_step, static_argnums=0)
     with jax.set_mesh(mesh):
         cache, logits = prefill(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
         for s in range(3):
             assert rel_l2(logits, g["decode_step_logits"][:, s]) < 1e-5, s
-            cache, logits = step(cfg, sparams, cache, jnp.asarray(forced[:, s]))
+            cache, logits = _STEP(cfg, sparams, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
+        assert rel_l2(logits, g["decode_step_logits"][:, 3]) < 1e-5
+    return mesh, cfg, sparams, cache
+
+
+def test_decode_caches_follow_the_table(golden_a):
+    """Prefill and decode steps under a data x expert x tensor mesh lay every cache leaf out by its
+    role (rows over the token axes, KDA heads over tensor); the teacher-forced step logits stay golden."""
+    from ling_jax.cache import ROLES, init_cache
+
+    _, _, g = golden_a
+    mesh, cfg, sparams, cache = _golden_steps_under_mesh(g)
+    forced = g["decode_generated_ids"]
+    with jax.set_mesh(mesh):
         # a cache given replicated (here: empty) comes out of a step laid out by the table too
-        fresh, _ = step(cfg, sparams, jax.device_put(init_cache(cfg, 2, 28, jnp.float32), NamedSharding(mesh, P())),
-                        jnp.asarray(forced[:, 0]))
+        fresh, _ = _STEP(cfg, sparams, jax.device_put(init_cache(cfg, 2, 28, jnp.float32), NamedSharding(mesh, P())),
+                         jnp.asarray(forced[:, 0]))
     for c in (cache, fresh):
         leaves = jax.tree_util.tree_leaves_with_path(c["segments"])
         assert {p[-1].key for p, _ in leaves} == set(ROLES)
@@ -496,22 +509,11 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
     """decode_impl="pallas" (latent attention, KDA step; interpret mode here) runs per shard under a
     data x expert x tensor mesh (`sharding.per_shard`): the teacher-forced step logits stay golden and
     the caches keep the table's layout."""
-    import dataclasses
-
     from ling_jax.cache import ROLES
-    from ling_jax.generate import decode_step, prefill
+    from ling_jax.generate import prefill
 
     _, _, g = golden_a
-    mesh, cfg, sparams = sharded_golden("2x2x2")
-    cfg = dataclasses.replace(cfg, decode_impl="pallas")
-    prompt = jnp.asarray(g["decode_prompt_ids"])
-    forced = g["decode_generated_ids"]
-    step = jax.jit(decode_step, static_argnums=0)
-    with jax.set_mesh(mesh):
-        cache, logits = prefill(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
-        for s in range(3):
-            cache, logits = step(cfg, sparams, cache, jnp.asarray(forced[:, s]))
-            assert rel_l2(logits, g["decode_step_logits"][:, s + 1]) < 1e-5, s
+    mesh, cfg, sparams, cache = _golden_steps_under_mesh(g, decode_impl="pallas")
     for path, x in jax.tree_util.tree_leaves_with_path(cache["segments"]):
         want = NamedSharding(mesh, sharding.spec(ROLES[path[-1].key], x.shape, mesh))
         assert x.sharding.is_equivalent_to(want, x.ndim), (path, x.sharding.spec, want.spec)
@@ -524,7 +526,7 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
         for impl in ("xla", "pallas"):
             c = dataclasses.replace(cfg, decode_impl=impl)
             cache, _ = prefill(c, sparams, ids, lengths, 28)
-            out[impl] = step(c, sparams, cache, nxt)[1]
+            out[impl] = _STEP(c, sparams, cache, nxt)[1]
     assert rel_l2(out["pallas"], out["xla"]) < 1e-5
 
 
@@ -532,8 +534,6 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
 def test_pallas_kda_under_a_mesh(golden_a):
     """The Pallas KDA kernels (interpret mode here) run per shard under a data x expert x tensor mesh
     (layers/kda.py wraps them in a shard_map: batch rows over the token axes, heads over tensor)."""
-    import dataclasses
-
     cfg, _, g = golden_a
     cfg = dataclasses.replace(cfg, kda_impl="pallas")
     ids = jnp.asarray(g["prefill_input_ids"])
