@@ -102,10 +102,16 @@ def test_auto_gemv_reads_every_layer_from_its_stack(monkeypatch):
     got = _teacher_forced(dataclasses.replace(cfg, moe_impl="auto", kda_impl="chunked"), params, prompt, lengths,
                           forced, 12, True)
     assert rel_l2(got, want) < 1e-5
-    n_moe = sum(ffn == "moe" for _, ffn in cfg.layer_kinds)
-    assert len(calls) == 2 * n_moe  # gate+up, then down, in every MoE layer of the traced step
-    lead = {w.shape[0] // cfg.num_experts for ws in calls for w in ws}  # layers in each stack read from
-    assert all(w.shape[0] % cfg.num_experts == 0 for ws in calls for w in ws) and max(lead) > 1, lead
+    # every traced MoE body (one per scanned segment, unrolled when lowered) read its segment's whole
+    # stack: [layers x E, C, O], the groups' KDA layers as one [n x (G-1) x E] stack
+    want_lead = set()
+    for seg in cfg.segments:
+        if seg.kind == "groups":
+            want_lead |= {seg.length * seg.kda_per_group, seg.length}
+        elif seg.ffn == "moe":
+            want_lead.add(seg.length)
+    assert all(w.shape[0] % cfg.num_experts == 0 for ws in calls for w in ws)
+    assert {w.shape[0] // cfg.num_experts for ws in calls for w in ws} == want_lead
 
 
 def test_absorbed_equals_expanded_attention(debug_model):
