@@ -156,11 +156,12 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_tokens: Sequence[int] | None = None) -> list[list[int]]:
+             stop_tokens: Sequence[int] | None = None, unroll_layers: bool = True) -> list[list[int]]:
     """New tokens for each prompt (a list of token ids), stopping after a stop token (included).
 
     `stop_tokens=None` uses the config's `eos_token_id`; `()` never stops early. Greedy when
-    `temperature == 0`. One jitted prefill and one jitted decode loop.
+    `temperature == 0`. One jitted prefill and one jitted decode loop; `unroll_layers=False`
+    compiles its step with layer scans (`decode_loop`): a faster compile, slower steps.
     """
     if not prompts:
         raise ValueError("prompts is empty")
@@ -190,6 +191,6 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), slots)
     out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), jax.random.key(seed),
                                  jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S,
-                                 jnp.int32(max_new_tokens))
+                                 jnp.int32(max_new_tokens), unroll_layers=unroll_layers)
     out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, : counts[i]].tolist() for i in range(len(prompts))]

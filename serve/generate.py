@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="params/activation dtype")
     ap.add_argument("--mesh", default="", help="device mesh as axis=size pairs, e.g. 'expert=8' or "
                     "'data=2,expert=4' (axes data, fsdp, expert, tensor); default: one device")
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="compile the decode step with layer scans: a faster compile, slower steps (default: unrolled)")
     ap.add_argument("--fp8-weights", action="store_true",
                     help="keep the layer weights of an FP8 checkpoint (ling-convert --dtype float8) in FP8 on the "
                          "device, dequantized one layer at a time")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, stop_tokens=stop)
+              top_p=args.top_p, seed=args.seed, stop_tokens=stop, unroll_layers=not args.scan_layers)
     try:  # under the mesh the MoE layers dispatch experts across `expert`, caches follow the table
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             t0 = time.perf_counter()

@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 def test_text_and_id_prompts(checkpoint, capsys):
     rc = main(["--checkpoint", str(checkpoint), "--tokenizer", str(checkpoint.parent / "tokenizer.json"),
                "--prompt", "w5 w6 w7", "--prompt-ids", "9,10", "--max-new-tokens", "5", "--stop-tokens", "",
-               "--dtype", "float32"])
+               "--dtype", "float32", "--scan-layers"])  # the scanned step gives the unrolled one's tokens
     out = capsys.readouterr().out
     assert rc == 0
     cfg, params = ling_jax.load_hf_checkpoint(checkpoint)
