@@ -26,9 +26,11 @@ Ffn = Literal["dense", "moe"]
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
 MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
 # the decode step's attention ops: XLA (ops.mla_decode's blocked loop, ops.kda.decode's fused step)
-# or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" is "xla"
-# until the kernels are timed on a GPU
+# or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" picks the
+# kernels on a GPU where the widths allow (LingConfig.pallas_decode)
 DECODE_IMPLS = ("auto", "xla", "pallas")
+# the widths each decode kernel needs as powers of two, with their least value (Triton tiles)
+PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),)}
 
 
 class ConfigError(ValueError):
@@ -173,6 +175,7 @@ class LingConfig:
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)
 
     def _pallas_width(self, name: str, least: int) -> bool:
+        """Whether the width `name` is a power of two >= `least` (`PALLAS_DECODE_WIDTHS`)."""
         v = getattr(self, name)
         return v >= least and v & (v - 1) == 0
 
@@ -185,8 +188,7 @@ class LingConfig:
             return self.decode_impl == "pallas"
         from ling_jax.ops.pallas_gpu import on_gpu
 
-        widths = (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)) if mixer == "mla" else (("head_dim", 16),)
-        return on_gpu() and all(self._pallas_width(n, least) for n, least in widths)
+        return on_gpu() and all(self._pallas_width(n, least) for n, least in PALLAS_DECODE_WIDTHS[mixer])
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -296,9 +298,10 @@ class LingConfig:
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
         if self.decode_impl == "pallas":  # the kernels' tiles are powers of two (Triton), KDA's >= 16
-            for name, least in (("kv_lora_rank", 1), ("qk_rope_head_dim", 1), ("head_dim", 16)):
-                need(self._pallas_width(name, least), name,
-                     f"must be a power of two >= {least} for decode_impl='pallas'")
+            for widths in PALLAS_DECODE_WIDTHS.values():
+                for name, least in widths:
+                    need(self._pallas_width(name, least), name,
+                         f"must be a power of two >= {least} for decode_impl='pallas'")
         if self.uses_moe:
             e = self.num_experts
             need(e is not None and e > 0, "num_experts", "must be positive")

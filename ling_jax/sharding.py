@@ -193,15 +193,18 @@ def multi_device(mesh: jax.sharding.AbstractMesh | None) -> bool:
 
 
 def per_shard(fn: Callable[..., Any], args: Mapping[str, jax.Array], dims: Mapping[str, str], out_dims: Any, *,
-              mesh: jax.sharding.AbstractMesh, batch: int, heads: int = 1) -> Any:
-    """`fn(**args)` run once per shard of `mesh` in a `shard_map` — how a Pallas kernel (which GSPMD
-    cannot partition) runs on sharded activations.
+              batch: int, heads: int = 1) -> Any:
+    """`fn(**args)` run once per shard of the context mesh in a `shard_map` — how a Pallas kernel
+    (which GSPMD cannot partition) runs on sharded activations; plainly without a multi-device mesh.
 
     `dims[name]` and the strings of the `out_dims` pytree give each dim of an argument / result: "b"
     batch rows over the token axes, "h" heads over `tensor`, "." whole (`fit_spec` drops axes that do
     not divide `batch` / `heads`). These are the layouts the table gives decode caches and
     per-head activations, so nothing moves but what a dim's "." gathers.
     """
+    mesh = context_mesh()
+    if not multi_device(mesh):
+        return fn(**args)
     sizes = axis_sizes(mesh)
     axes = {"b": fit_spec((batch,), (BATCH_AXES,), sizes)[0], "h": fit_spec((heads,), ("tensor",), sizes)[0]}
 
@@ -216,6 +219,6 @@ def per_shard(fn: Callable[..., Any], args: Mapping[str, jax.Array], dims: Mappi
 def constrain(x: jax.Array, role: str) -> jax.Array:
     """`with_sharding_constraint` of `x` to its role's spec on the context mesh; identity without one."""
     mesh = context_mesh()
-    if mesh is None or mesh.size == 1:
+    if not multi_device(mesh):
         return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(role, x.shape, mesh)))

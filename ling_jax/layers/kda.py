@@ -63,7 +63,6 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     axes, heads over `tensor` (the layouts the sharding table gives these activations)."""
     args = {k: v for k, v in args.items() if v is not None}
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
-    mesh = context_mesh()
 
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]
@@ -72,12 +71,11 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
                                     **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})
 
-    if not multi_device(mesh) or resolve_impl(cfg.kda_impl) != "pallas":
+    if not multi_device(context_mesh()) or resolve_impl(cfg.kda_impl) != "pallas":
         return op(**args)
     if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
         args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)
-    return per_shard(op, args, _KDA_DIMS, ("b.h.", "bh.."), mesh=mesh, batch=args["q"].shape[0],
-                     heads=args["q"].shape[2])
+    return per_shard(op, args, _KDA_DIMS, ("b.h.", "bh.."), batch=args["q"].shape[0], heads=args["q"].shape[2])
 
 
 def _decode_step(q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: jax.Array, beta_BH: jax.Array,
@@ -87,13 +85,10 @@ def _decode_step(q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: ja
     scale = cfg.head_dim**-0.5
     if not cfg.pallas_decode("kda"):
         return kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, scale=scale)
-    step = functools.partial(kda_decode_step_pallas, scale=scale)
     args = dict(q_BHK=q_BHK, k_BHK=k_BHK, v_BHV=v_BHV, g_BHK=g_BHK, beta_BH=beta_BH, state_BHKV=state_BHKV)
-    mesh = context_mesh()
-    if not multi_device(mesh):
-        return step(**args)
     dims = {"q_BHK": "bh.", "k_BHK": "bh.", "v_BHV": "bh.", "g_BHK": "bh.", "beta_BH": "bh", "state_BHKV": "bh.."}
-    return per_shard(step, args, dims, ("bh.", "bh.."), mesh=mesh, batch=q_BHK.shape[0], heads=q_BHK.shape[1])
+    return per_shard(functools.partial(kda_decode_step_pallas, scale=scale), args, dims, ("bh.", "bh.."),
+                     batch=q_BHK.shape[0], heads=q_BHK.shape[1])
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:

@@ -20,7 +20,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
-from ling_jax.sharding import context_mesh, multi_device, per_shard
+from ling_jax.sharding import per_shard
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
 
@@ -105,11 +105,8 @@ def _attend(q_BHW: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, new_B
     if not cfg.pallas_decode("mla"):
         return latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, **kw)
     args = dict(q_BHW=q_BHW, cache_BSW=latent_BSW, lengths_B=lengths_B, new_BW=new_BW)
-    mesh = context_mesh()
-    if not multi_device(mesh):
-        return latent_attention_pallas(**args, **kw)
     dims = {"q_BHW": "bh.", "cache_BSW": "b..", "lengths_B": "b", "new_BW": "b."}
-    return per_shard(functools.partial(latent_attention_pallas, **kw), args, dims, "bh.", mesh=mesh,
+    return per_shard(functools.partial(latent_attention_pallas, **kw), args, dims, "bh.",
                      batch=q_BHW.shape[0], heads=q_BHW.shape[1])
 
 

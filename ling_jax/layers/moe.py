@@ -134,9 +134,8 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
     with jax.named_scope("router"):
         idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg)
     mesh = sharding.context_mesh()
-    sizes = sharding.axis_sizes(mesh)
     with jax.named_scope("routed"):
-        if mesh is None or math.prod(sizes.values()) == 1:
+        if not sharding.multi_device(mesh):
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
                                   limit=limit, impl=cfg.moe_impl)
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
