@@ -168,7 +168,7 @@ def per_kernel(args) -> None:
     for h in args.heads:
         cfg = kp.Cfg(backend="triton", interpret=interp, chunk=64, t_valid=t, n_chunks=t // 64, dk=kd, dv=kd,
                      scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
-                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64))
+                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 64))
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
@@ -177,7 +177,6 @@ def per_kernel(args) -> None:
         dtb = jax.random.normal(ks[7], (h, 1, kd))
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
         f_intra = jax.jit(functools.partial(_k_fwd_intra, kp, cfg))
-        f_intra_split = jax.jit(functools.partial(_k_fwd_intra, kp, dataclasses.replace(cfg, split_intra=True)))
         w, u, qg, kg, aqk, gam = f_intra(q, k, v, g, beta, al, dtb)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
@@ -188,16 +187,25 @@ def per_kernel(args) -> None:
         x, y, mmat, dbp, dv = f_bintra(q, k, v, g, beta, al, dtb, do, vn, dvn)
         f_bmain = jax.jit(functools.partial(_k_bwd_main, kp, cfg))
         f_bmain(q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
+        a_intra = (q, k, v, g, beta, al, dtb)
+        a_bintra = (q, k, v, g, beta, al, dtb, do, vn, dvn)
+        a_bmain = (q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
+        cases = [("fwd_intra", f_intra, a_intra), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
+                 ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
+                 ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
+                 ("bwd_intra", f_bintra, a_bintra), ("bwd_main", f_bmain, a_bmain)]
+        for bk in args.block_k:  # the chunk-parallel kernels at other key blocks / warps
+            for warps in args.warps:
+                if bk == cfg.bk and warps is None:
+                    continue
+                var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else
+                                                         {"warps_intra": warps, "warps_bwd": warps}))
+                tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}")
+                cases += [(f"fwd_intra_{tag}", jax.jit(functools.partial(_k_fwd_intra, kp, var)), a_intra),
+                          (f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra),
+                          (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
         res = {}
-        for name, fn, a in (
-            ("fwd_intra", f_intra, (q, k, v, g, beta, al, dtb)),
-            ("fwd_intra_split", f_intra_split, (q, k, v, g, beta, al, dtb)),
-            ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
-            ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
-            ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
-            ("bwd_intra", f_bintra, (q, k, v, g, beta, al, dtb, do, vn, dvn)),
-            ("bwd_main", f_bmain, (q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)),
-        ):
+        for name, fn, a in cases:
             for _ in range(2):
                 jax.block_until_ready(fn(*a))
             ts = []
@@ -207,9 +215,9 @@ def per_kernel(args) -> None:
                 ts.append(time.perf_counter() - t0)
             res[name + "_ms"] = float(np.median(ts) * 1e3)
             print(f"H={h} {name}: {res[name + '_ms']:.3f} ms", flush=True)
-        out[f"H{h}"] = res
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "kda_per_kernel.json").write_text(json.dumps(out, indent=1))
+            out[f"H{h}"] = res  # written after every case: a run cut off by its time limit keeps them
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "kda_per_kernel.json").write_text(json.dumps(out, indent=1))
 
 
 def main() -> None:
@@ -227,6 +235,10 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time kernel-parameter variants")
     ap.add_argument("--fla-worker", action="store_true")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
+    ap.add_argument("--block-k", type=int, nargs="*", default=[],
+                    help="--per-kernel: also time the chunk-parallel kernels at these key blocks")
+    ap.add_argument("--warps", type=lambda s: None if s == "default" else int(s), nargs="*",
+                    default=[None], help="--per-kernel: ... and these warp counts ('default': Cfg's)")
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
     if args.fla_worker:
@@ -361,7 +373,8 @@ def main() -> None:
     if args.variants:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
                          ("warps_4_4_4", {"num_warps": (4, 4, 4)}), ("warps_8_4_8", {"num_warps": (8, 4, 8)}),
-                         ("bvb128", {"block_v_bwd": 128}), ("split_intra", {"split_intra": True})]
+                         ("bvb128", {"block_v_bwd": 128}), ("bk32", {"block_k": 32}),
+                         ("bk128", {"block_k": 128})]
     inputs_by_h = {}
     for h in args.heads:
         x = inputs(jax.random.PRNGKey(10 + h), 1, args.seq, h, kd, jnp.bfloat16)

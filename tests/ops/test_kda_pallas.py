@@ -115,17 +115,22 @@ def test_forward_unfused_gate_through_api_chunk32():
 
 
 @pytest.mark.parametrize("backend", [None, pytest.param("tpu", marks=pytest.mark.heavy)])
-def test_split_intra_equals_fused(backend):
-    """The chunk-parallel forward as two launches (split_intra) computes what the fused one does:
-    o, the final state and the chunk states (which depend on all six per-chunk products), with
-    segments, an initial state and a partial last chunk."""
+def test_key_blocks_equal_one_block(backend):
+    """The chunk-parallel kernels' loops over blocks of key columns (block_k < K: the At/Aqk sums,
+    the L2 norms applied after them, the per-block W/Qg/Kg/gamma) give what one block does, forward
+    (o, final and chunk states) and backward (every gradient), with segments, an initial state and
+    a partial last chunk."""
     x = make_inputs(31, 2, 100, 2, 32, 32)
     segs = awkward_segments(2, 100)
-    fused = pallas(*x, segment_ids=segs, states=True, backend=backend)
-    split = pallas(*x, segment_ids=segs, states=True, backend=backend, split_intra=True)
-    for a, b in zip(split, fused, strict=True):
+    one = pallas(*x, segment_ids=segs, states=True, backend=backend, block_k=32)
+    four = pallas(*x, segment_ids=segs, states=True, backend=backend, block_k=8)
+    for a, b in zip(four, one, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert rel_l2(split[0], reference(*x, segment_ids=segs)[0]) < 2e-5
+    assert rel_l2(four[0], reference(*x, segment_ids=segs)[0]) < 2e-5
+    g_one = _grads(functools.partial(pallas, backend=backend, block_k=32), x, segs, False, seed=5)
+    g_four = _grads(functools.partial(pallas, backend=backend, block_k=8), x, segs, False, seed=5)
+    for name, a, b in zip(NAMES, g_four, g_one, strict=True):
+        assert rel_l2(a, b) < 1e-5, name
 
 
 @pytest.mark.heavy
@@ -232,9 +237,10 @@ def _export_fwd_and_grad(backend: str, platform: str, **kw):
         assert exp.mlir_module()
 
 
-@pytest.mark.parametrize("split_intra", [False, True])
-def test_triton_lowering(h200_lowering, split_intra):
-    _export_fwd_and_grad("triton", "cuda", split_intra=split_intra)
+@pytest.mark.parametrize("block_k", [None, 128])
+def test_triton_lowering(h200_lowering, block_k):
+    """Default key blocks (64 of K = 128: the `scf.for` loops) and one block."""
+    _export_fwd_and_grad("triton", "cuda", block_k=block_k)
 
 
 def test_tpu_lowering(monkeypatch):

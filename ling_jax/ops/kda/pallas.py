@@ -113,22 +113,16 @@ def _fwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks):
     out_specs = [_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, c), _chk(1, dk)]
     ins = _inputs(cfg, q, k, g, beta, a_log, dt, masks)
 
-    def launch(kernel, name: str, outs: slice, with_v: bool) -> list[jax.Array]:
-        return pl.pallas_call(
-            functools.partial(kernel, cfg),
-            out_shape=out_shape[outs],
-            grid=(b, h, nt),
-            in_specs=[*_input_specs(cfg), *([_tok(cfg, dv)] if with_v else [])],
-            out_specs=out_specs[outs],
-            compiler_params=_compiler_params(cfg, cfg.warps_intra),
-            interpret=cfg.interpret,
-            name=name,
-        )(*ins, *([v] if with_v else []))
-
-    if cfg.split_intra:
-        return [*launch(pc.fwd_wu_kernel, "kda_fwd_wu", slice(0, 2), True),
-                *launch(pc.fwd_qk_kernel, "kda_fwd_qk", slice(2, 6), False)]
-    return launch(pc.fwd_intra_kernel, "kda_fwd_intra", slice(0, 6), True)
+    return pl.pallas_call(
+        functools.partial(pc.fwd_intra_kernel, cfg),
+        out_shape=out_shape,
+        grid=(b, h, nt),
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv)],
+        out_specs=out_specs,
+        compiler_params=_compiler_params(cfg, cfg.warps_intra),
+        interpret=cfg.interpret,
+        name="kda_fwd_intra",
+    )(*ins, v)
 
 
 def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
@@ -329,9 +323,10 @@ def _bwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn):
 def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm_, x, y, dbp):
     b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
     c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
+    qk_dtype = F32 if cfg.l2norm else q.dtype  # with the norm: rq * dq_hat, finished in _core_bwd
     out_shape = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(q.shape, qk_dtype),
+        jax.ShapeDtypeStruct(k.shape, qk_dtype),
         jax.ShapeDtypeStruct(g.shape, g.dtype),
         jax.ShapeDtypeStruct(beta.shape, beta.dtype),
     ]
@@ -339,6 +334,9 @@ def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm
     if cfg.gate is not None:
         out_shape += [jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32)] * 2
         out_specs += [_chk(1, dk)] * 2
+    if cfg.l2norm:
+        out_shape += [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, 1), F32)] * 2
+        out_specs += [_tok(cfg, 1)] * 2
     in_specs = [*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv), _chk(dv, dk),
                 _chk(dv, dk), _tok(cfg, c), _tok(cfg, c), _tok(cfg, c), _tok(cfg, 1)]
     return pl.pallas_call(
@@ -388,6 +386,10 @@ def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
     x, y, mm_, dbp, dv = _bwd_intra(cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn)
     outs = _bwd_main(cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs.astype(cd), dh, mm_, x, y, dbp)
     dq, dk, dg, dbeta = outs[:4]
+    if cfg.l2norm:  # the L2 norm's backward: its per-row sums span every key block
+        cq, ck = outs[-2:]
+        dq = (dq - q.astype(F32) * cq).astype(q.dtype)
+        dk = (dk - k.astype(F32) * ck).astype(k.dtype)
     if cfg.gate is not None:
         pa, pb = outs[4:6]
         da_log = jnp.sum(pa, axis=(0, 2, 3, 4)).reshape(a_log.shape).astype(a_log.dtype)
@@ -450,7 +452,7 @@ def kda_pallas(
     block_v: int | None = None,
     block_v_bwd: int | None = None,
     num_warps: tuple[int, int, int] | None = None,
-    split_intra: bool = False,
+    block_k: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
 
@@ -458,7 +460,9 @@ def kda_pallas(
     and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
-    `split_intra`: the chunk-parallel forward as two launches (`Cfg.split_intra`).
+    `block_v` / `block_v_bwd` / `block_k` / `num_warps`: tile sizes and warps of the kernels
+    (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the chunk-parallel forward, the sequential and the
+    chunk-parallel backward kernels); defaults per backend.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -480,10 +484,13 @@ def kda_pallas(
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
     warps = num_warps or (4, 4, 8)
+    bk = block_k or min(dk, 64 if backend == "triton" else dk)
+    if dk % bk:
+        raise ValueError(f"block_k={bk} must divide K={dk}")
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2], split_intra=split_intra)
+              bv_bwd=bvb, bk=bk, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2])
 
     def pad_t(x):
         if t_pad == t:

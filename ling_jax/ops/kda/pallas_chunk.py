@@ -55,8 +55,8 @@ class Cfg:
     hd: str  # dtype of the stored per-chunk states
     bv: int  # value columns per program of the sequential kernels
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
+    bk: int  # key columns per step of the K loops of the chunk-parallel kernels (dk: one step)
     warps_intra: int = 4
-    split_intra: bool = False  # fwd_intra as two launches (W/U; Qg/Kg/Aqk/gamma): not yet timed
     warps_state: int = 4
     warps_bwd: int = 8
     stages_state: int = 2
@@ -80,7 +80,7 @@ class Cfg:
 
 
 def _prec(cfg: Cfg, kind: str):
-    if kind == "hi" or cfg.exact:
+    if kind == "hi" or cfg.exact or (kind == "solve" and cfg.backend == "tpu"):
         return HI
     return lax.Precision.DEFAULT
 
@@ -93,7 +93,9 @@ def _cast(cfg: Cfg, x: jax.Array, kind: str) -> jax.Array:
 
 def mm(cfg: Cfg, a: jax.Array, b: jax.Array, kind: str = "lo") -> jax.Array:
     """a [M, K] @ b [K, N] with float32 accumulation. kind: "hi" exact f32, "mid" f32 operands
-    (TF32 on GPU for bf16 inputs), "lo" operands in the compute dtype."""
+    (TF32 on GPU for bf16 inputs), "solve" the triangular solve's products (TF32 on GPU for bf16
+    inputs, as FLA's solve; exact f32 on TPU, whose default f32 dot is one bf16 pass), "lo"
+    operands in the compute dtype."""
     return lax.dot_general(_cast(cfg, a, kind), _cast(cfg, b, kind), (((1,), (0,)), ((), ())),
                            precision=_prec(cfg, kind), preferred_element_type=F32)
 
@@ -117,6 +119,29 @@ def mm_tn(cfg: Cfg, a: jax.Array, b: jax.Array, kind: str = "lo") -> jax.Array:
 
 def iota(shape: tuple[int, int], dim: int) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def col_to_row(x: jax.Array) -> jax.Array:
+    """[n, 1] -> [1, n] without a transpose (a diagonal select and a column sum)."""
+    n = x.shape[0]
+    return jnp.sum(jnp.where(iota((n, n), 0) == iota((n, n), 1), x, 0.0), axis=0, keepdims=True)
+
+
+def kloop(cfg: Cfg, width: int, step: int, body, carry):
+    """carry = body(cols, carry) over the column blocks [j*step, (j+1)*step) of a `width`-wide ref.
+
+    On GPU a real loop (`scf.for`: one copy of the body in the program, few live registers); on
+    TPU the blocks are unrolled with static slices (Mosaic wants static lane offsets; the TPU
+    configuration uses one block)."""
+    n = width // step
+    if cfg.backend == "triton" and n > 1:
+        from jax.experimental import pallas as pl
+
+        return lax.fori_loop(0, n, lambda j, c: body(pl.ds(pl.multiple_of(j * step, step), step), c),
+                             carry)
+    for j in range(n):
+        carry = body(slice(j * step, (j + 1) * step), carry)
+    return carry
 
 
 def row(x: jax.Array, i: int) -> jax.Array:
@@ -198,13 +223,14 @@ class Prep:
     valid: jax.Array | None  # [C, 1] bool, rows before t_valid (None when T is a chunk multiple)
 
 
-def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias) -> Prep:
-    """Fused gate and L2 norm, all in float32 (ARCHITECTURE.md §2.4 steps 6-7)."""
+def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, norm: bool = True) -> Prep:
+    """Fused gate and L2 norm, all in float32 (ARCHITECTURE.md §2.4 steps 6-7). `norm=False` leaves
+    q and k raw (a block of key columns: the norms need every column and are applied later)."""
     c = cfg.chunk
     q = q_raw.astype(F32)
     k = k_raw.astype(F32)
     rq = rk = None
-    if cfg.l2norm:
+    if cfg.l2norm and norm:
         rq = lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
         rk = lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
         q = q * rq
@@ -246,7 +272,16 @@ class Intra:
     seg: dict[tuple[int, int], jax.Array] | None  # same-segment masks of sub-chunk pairs
 
 
-def intra(cfg: Cfg, p: Prep, seg_col: jax.Array | None) -> Intra:
+def seg_masks(cfg: Cfg, seg_col: jax.Array | None) -> dict[tuple[int, int], jax.Array] | None:
+    """Same-segment masks [16, 16] of the sub-chunk pairs (a, b), b <= a (None without segments)."""
+    if seg_col is None:
+        return None
+    n = cfg.chunk // BC
+    sb = split_rows(cfg, seg_col, n)  # [16, 1] each
+    return {(a, b): sb[a] == col_to_row(sb[b]) for a in range(n) for b in range(a + 1)}
+
+
+def intra(cfg: Cfg, p: Prep, seg: dict | None) -> Intra:
     n = cfg.chunk // BC
     G = cumsum_rows(cfg, p.g)
     Gb = split_rows(cfg, G, n)
@@ -254,16 +289,6 @@ def intra(cfg: Cfg, p: Prep, seg_col: jax.Array | None) -> Intra:
     E = [jnp.exp(Ga - ra) for Ga, ra in zip(Gb, r, strict=True)]
     F = [jnp.exp(ra - Ga) for Ga, ra in zip(Gb, r, strict=True)]
     w = {(a, b): jnp.exp(r[a] - r[b]) for a in range(n) for b in range(a)}
-    seg = None
-    if seg_col is not None:
-        sb = split_rows(cfg, seg_col, n)  # [16, 1] each
-        seg = {}
-        for a in range(n):
-            for b in range(a + 1):
-                # [16,1] == [1,16] without transposes: compare against a broadcast row.
-                srow = jnp.sum(jnp.where(iota((BC, BC), 0) == iota((BC, BC), 1), sb[b], 0.0), axis=0,
-                               keepdims=True)
-                seg[(a, b)] = sb[a] == srow
     return Intra(G, row(G, cfg.chunk - 1), E, F, w, r, split_rows(cfg, p.k, n),
                  split_rows(cfg, p.q, n), seg)
 
@@ -306,16 +331,16 @@ def solve_blocks(cfg: Cfg, at: dict, beta_b: list[jax.Array]) -> dict:
         x = -A[(a, a)]
         inv = eye + x
         for _ in range(3):
-            x = mm(cfg, x, x, "hi")
-            inv = inv + mm(cfg, inv, x, "hi")
+            x = mm(cfg, x, x, "solve")
+            inv = inv + mm(cfg, inv, x, "solve")
         M[(a, a)] = inv
     for a in range(1, n):
         for b in range(a - 1, -1, -1):
             acc = None
             for c in range(b, a):
-                t = mm(cfg, A[(a, c)], M[(c, b)], "hi")
+                t = mm(cfg, A[(a, c)], M[(c, b)], "solve")
                 acc = t if acc is None else acc + t
-            M[(a, b)] = -mm(cfg, M[(a, a)], acc, "hi")
+            M[(a, b)] = -mm(cfg, M[(a, a)], acc, "solve")
     return M
 
 
@@ -338,17 +363,38 @@ def _unpack_inputs(cfg: Cfg, refs: list):
     return (q_ref, k_ref, g_ref, beta_ref, alog_ref, dt_ref, m_ref, e_ref, s_ref), i
 
 
-def _load_prep(cfg: Cfg, chunk_idx, refs):
-    q_ref, k_ref, g_ref, beta_ref, alog_ref, dt_ref, m_ref, e_ref, s_ref = refs
-    p = prep(cfg, chunk_idx, q_ref[...], k_ref[...], g_ref[...], beta_ref[...],
-             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[...])
-    if cfg.segments:
-        m = m_ref[...].astype(F32)
-        e = e_ref[...].astype(F32)
-        s = s_ref[...].astype(F32)
-    else:
-        m = e = s = None
-    return p, m, e, s
+def _masks(cfg: Cfg, ins) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+    """The segment columns (m, e, s) [C, 1] float32 of the chunk (None without segments)."""
+    if not cfg.segments:
+        return None, None, None
+    return tuple(r[...].astype(F32) for r in ins[6:9])
+
+
+def block_prep(cfg: Cfg, ins, ci, cols, rq: jax.Array | None, rk: jax.Array | None) -> Prep:
+    """`prep` of one block of key columns of chunk `ci` (read outside any loop: the interpreter
+    cannot discharge a program id inside one); q and k scaled by the inverse norms when given."""
+    q_ref, k_ref, g_ref, beta_ref, alog_ref, dt_ref = ins[:6]
+    p = prep(cfg, ci, q_ref[:, cols], k_ref[:, cols], g_ref[:, cols], beta_ref[...],
+             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[:, cols],
+             norm=False)
+    if rq is None:
+        return p
+    return dataclasses.replace(p, q=p.q * rq, k=p.k * rk, rq=rq, rk=rk)
+
+
+def inv_norms(cfg: Cfg, ins) -> tuple[jax.Array, jax.Array]:
+    """1 / ||q||, 1 / ||k|| [C, 1] of the chunk's rows, summed over blocks of key columns."""
+    q_ref, k_ref = ins[:2]
+    zero = jnp.zeros((cfg.chunk, 1), F32)
+
+    def step(cols, carry):
+        q = q_ref[:, cols].astype(F32)
+        k = k_ref[:, cols].astype(F32)
+        return (carry[0] + jnp.sum(q * q, axis=1, keepdims=True),
+                carry[1] + jnp.sum(k * k, axis=1, keepdims=True))
+
+    sq, sk = kloop(cfg, cfg.dk, cfg.bk, step, (zero, zero))
+    return lax.rsqrt(sq + 1e-6), lax.rsqrt(sk + 1e-6)
 
 
 def _chunk_index(cfg: Cfg):
@@ -361,50 +407,56 @@ def pl_program_id(axis: int):
     return pl.program_id(axis)
 
 
-def _fwd_wu(cfg: Cfg, p: Prep, m, it: Intra, v, w_ref, u_ref) -> None:
-    """W = M diag(beta m) (exp(G) * k) and U = M diag(beta) v of one chunk, written to w_ref, u_ref."""
-    n = cfg.chunk // BC
-    at = pair_blocks(cfg, it, it.kb, strict=True)
-    beta_b = split_rows(cfg, p.beta, n)
-    M = solve_blocks(cfg, at, beta_b)
-    v_b = split_rows(cfg, v.astype(F32), n)
-    m_b = split_rows(cfg, m, n) if m is not None else None
-    bws, bus = [], []
-    for a in range(n):
-        gam_a = it.E[a] * jnp.exp(it.r[a])  # exp(G_a) without forming exp(-G)
-        coef = beta_b[a] if m_b is None else beta_b[a] * m_b[a]
-        bws.append(coef * gam_a * it.kb[a])
-        bus.append(beta_b[a] * v_b[a])
-    for a in range(n):
-        w_acc = u_acc = None
-        for b in range(a + 1):
-            tw = mm(cfg, M[(a, b)], bws[b])
-            tu = mm(cfg, M[(a, b)], bus[b])
-            w_acc = tw if w_acc is None else w_acc + tw
-            u_acc = tu if u_acc is None else u_acc + tu
-        w_ref[a * BC:(a + 1) * BC, :] = w_acc.astype(w_ref.dtype)
-        u_ref[a * BC:(a + 1) * BC, :] = u_acc.astype(u_ref.dtype)
+@dataclasses.dataclass
+class Pairs:
+    """The pairwise products of one chunk as [16, 16] sub-chunk blocks {(a, b): [16, 16]}, b <= a:
+    At (strictly lower, k on both sides) and Aqk (lower, q on the left; unscaled), L2-normalised and
+    masked, with the inverse norms [C, 1] (None without the L2 norm)."""
+
+    at: dict[tuple[int, int], jax.Array]
+    aqk: dict[tuple[int, int], jax.Array]
+    rq: jax.Array | None
+    rk: jax.Array | None
 
 
-def _fwd_qk(cfg: Cfg, p: Prep, m, e, it: Intra, qg_ref, kg_ref, aqk_ref, gam_ref) -> None:
-    """Qg, Kg, Aqk and gamma of one chunk, written to their refs."""
+def chunk_pairs(cfg: Cfg, ins, seg: dict | None, with_aqk: bool) -> Pairs:
+    """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
+
+    Each step loads a [C, bk] column block of q, k and the gate input, computes the gate and its
+    in-chunk cumulative sum for those channels (both are per channel), and adds the block's share of
+    every pairwise product; the L2 norms (which need all columns) scale the sums afterwards, since
+    At and Aqk are bilinear in k and q. A program thus holds [C, bk] tiles, not [C, K] ones."""
     n = cfg.chunk // BC
-    m_b = split_rows(cfg, m, n) if m is not None else None
-    for a in range(n):
-        qg_a = cfg.scale * it.E[a] * jnp.exp(it.r[a]) * it.qb[a]
-        if m_b is not None:
-            qg_a = qg_a * m_b[a]
-        qg_ref[a * BC:(a + 1) * BC, :] = qg_a.astype(qg_ref.dtype)
-    aqk = pair_blocks(cfg, it, it.qb, strict=False)
-    aqk_ref[...] = (cfg.scale * assemble(aqk, n)).astype(aqk_ref.dtype)
-    kappa = jnp.exp(it.G_last - it.G)
-    if e is not None:
-        kappa = kappa * e
-    kg_ref[...] = (p.k * kappa).astype(kg_ref.dtype)
-    gam = jnp.exp(it.G_last)
-    if m is not None:
-        gam = gam * row(m, cfg.chunk - 1)
-    gam_ref[...] = gam
+    ci = _chunk_index(cfg)
+    keys = [(a, b) for a in range(n) for b in range(a + 1)]
+    zero_blocks = {key: jnp.zeros((BC, BC), F32) for key in keys}
+    zero_col = jnp.zeros((cfg.chunk, 1), F32)
+
+    def step(cols, carry):
+        sq, sk, at, aqk = carry
+        p = block_prep(cfg, ins, ci, cols, None, None)
+        it = intra(cfg, p, seg)
+        at_j = pair_blocks(cfg, it, it.kb, strict=True)
+        at = {key: at[key] + at_j[key] for key in keys}
+        if with_aqk:
+            aqk_j = pair_blocks(cfg, it, it.qb, strict=False)
+            aqk = {key: aqk[key] + aqk_j[key] for key in keys}
+        if cfg.l2norm:
+            sq = sq + jnp.sum(p.q * p.q, axis=1, keepdims=True)
+            sk = sk + jnp.sum(p.k * p.k, axis=1, keepdims=True)
+        return sq, sk, at, aqk
+
+    sq, sk, at, aqk = kloop(cfg, cfg.dk, cfg.bk, step,
+                            (zero_col, zero_col, zero_blocks, zero_blocks if with_aqk else {}))
+    rq = rk = None
+    if cfg.l2norm:
+        rq = lax.rsqrt(sq + 1e-6)
+        rk = lax.rsqrt(sk + 1e-6)
+        rkb, rqb = split_rows(cfg, rk, n), split_rows(cfg, rq, n)
+        rkr = [col_to_row(x) for x in rkb]
+        at = {(a, b): rkb[a] * blk * rkr[b] for (a, b), blk in at.items()}
+        aqk = {(a, b): rqb[a] * blk * rkr[b] for (a, b), blk in aqk.items()}
+    return Pairs(at, aqk, rq, rk)
 
 
 def fwd_intra_kernel(cfg: Cfg, *refs):
@@ -412,31 +464,48 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
 
     Reads q, k, v, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the
     L2 norms, the in-chunk cumulative decay, At, the triangular inverse M and W, U, Qg, Kg, Aqk and
-    gamma, all on chip; writes W, U, Qg, Kg [C, K|V], Aqk [C, C] (compute dtype) and gamma [1, K].
-    With `cfg.split_intra` this is two launches, `fwd_wu_kernel` and `fwd_qk_kernel`, each
-    recomputing the gate, norms and decays (fewer live registers per program).
+    gamma on chip; writes W, U, Qg, Kg [C, K|V], Aqk [C, C] (compute dtype) and gamma [1, K].
+    Three loops over column blocks keep the live tiles at [C, bk]: At/Aqk (`chunk_pairs`), then
+    W = M diag(beta m) (exp(G) * k), Qg, Kg, gamma per key block (the gate and cumulative sum are
+    recomputed: elementwise work and a column scan), then U = M diag(beta) v per value block.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
     v_ref = refs[i]
     w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref = refs[i + 1:i + 7]
-    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    it = intra(cfg, p, s)
-    _fwd_wu(cfg, p, m, it, v_ref[...], w_ref, u_ref)
-    _fwd_qk(cfg, p, m, e, it, qg_ref, kg_ref, aqk_ref, gam_ref)
+    n, c = cfg.chunk // BC, cfg.chunk
+    m, e, s = _masks(cfg, ins)
+    pr = chunk_pairs(cfg, ins, seg_masks(cfg, s), with_aqk=True)
+    beta = ins[3][...].astype(F32)
+    M = assemble(solve_blocks(cfg, pr.at, split_rows(cfg, beta, n)), n)  # [C, C]
+    aqk_ref[...] = (cfg.scale * assemble(pr.aqk, n)).astype(aqk_ref.dtype)
+    coef = beta if m is None else beta * m
+    ci = _chunk_index(cfg)
 
+    def key_block(cols, carry):
+        p = block_prep(cfg, ins, ci, cols, pr.rq, pr.rk)
+        q, k = p.q, p.k
+        G = cumsum_rows(cfg, p.g)
+        G_last = row(G, c - 1)
+        eg = jnp.exp(G)
+        w_ref[:, cols] = mm(cfg, M, coef * eg * k).astype(w_ref.dtype)
+        qg = cfg.scale * eg * q
+        kappa = jnp.exp(G_last - G)
+        gam = jnp.exp(G_last)
+        if m is not None:
+            qg = qg * m
+            kappa = kappa * e
+            gam = gam * row(m, c - 1)
+        qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+        kg_ref[:, cols] = (k * kappa).astype(kg_ref.dtype)
+        gam_ref[:, cols] = gam
+        return carry
 
-def fwd_wu_kernel(cfg: Cfg, *refs):
-    """The W, U half of `fwd_intra_kernel` (At, the triangular solve, the two products)."""
-    ins, i = _unpack_inputs(cfg, list(refs))
-    p, m, _, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    _fwd_wu(cfg, p, m, intra(cfg, p, s), refs[i][...], refs[i + 1], refs[i + 2])
+    def value_block(cols, carry):
+        u_ref[:, cols] = mm(cfg, M, beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
+        return carry
 
-
-def fwd_qk_kernel(cfg: Cfg, *refs):
-    """The Qg, Kg, Aqk, gamma half of `fwd_intra_kernel`."""
-    ins, i = _unpack_inputs(cfg, list(refs))
-    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    _fwd_qk(cfg, p, m, e, intra(cfg, p, s), *refs[i:i + 4])
+    kloop(cfg, cfg.dk, cfg.bk, key_block, None)
+    kloop(cfg, cfg.dv, min(cfg.bk, cfg.dv), value_block, None)
 
 
 def bwd_intra_kernel(cfg: Cfg, *refs):
@@ -451,11 +520,10 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
     x_ref, y_ref, mo_ref, dbeta_ref, dv_ref = refs[i + 4:i + 9]
     n = cfg.chunk // BC
     c = cfg.chunk
-    p, _m, _e, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    it = intra(cfg, p, s)
-    at = pair_blocks(cfg, it, it.kb, strict=True)
-    beta_b = split_rows(cfg, p.beta, n)
-    M = assemble(solve_blocks(cfg, at, beta_b), n)
+    s = _masks(cfg, ins)[2]
+    beta = ins[3][...].astype(F32)
+    at = chunk_pairs(cfg, ins, seg_masks(cfg, s), with_aqk=False).at
+    M = assemble(solve_blocks(cfg, at, split_rows(cfg, beta, n)), n)
     at_full = assemble(at, n)
     daqk = jnp.zeros((c, c), F32)
     d1 = jnp.zeros((c, c), F32)
@@ -469,7 +537,7 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
         daqk = daqk + mm_nt(cfg, do, vn)
         d1 = d1 + mm_nt(cfg, dvn, vn)
         dbu = mm_tn(cfg, M, dvn, "mid")
-        dv_ref[:, cols] = (p.beta * dbu).astype(dv_ref.dtype)
+        dv_ref[:, cols] = (beta * dbu).astype(dv_ref.dtype)
         dbeta = dbeta + jnp.sum(dbu * v_ref[:, cols].astype(F32), axis=1, keepdims=True)
     ri, ci = iota((c, c), 0), iota((c, c), 1)
     dl = -mm_tn(cfg, M, d1, "mid")
@@ -481,7 +549,7 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
         xm = jnp.where(same, xm, 0.0)
     dbeta = dbeta + jnp.sum(da * at_full, axis=1, keepdims=True)
     x_ref[...] = cfg.scale * xm
-    y_ref[...] = p.beta * da
+    y_ref[...] = beta * da
     mo_ref[...] = M
     dbeta_ref[...] = dbeta
 
@@ -489,104 +557,121 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
 def bwd_main_kernel(cfg: Cfg, *refs):
     """Chunk-parallel backward, part 2: the [C, K] level, ending in dq, dk, dg (raw gate), dbeta.
 
-    Loops over value blocks of the chunk's state S^T and its gradient dS^T ([V, K], v-first) with
-    dO, V', dV' to form dQg = dO S^T, dKg = V' dS^T, dW = -dV' S^T and d gamma; then chains through
+    One loop over blocks of `cfg.bk` key columns (all of this is per key channel): per block, a loop
+    over value blocks of the chunk's state S^T and its gradient dS^T ([V, K], v-first) with dO, V',
+    dV' forms dQg = dO S^T, dKg = V' dS^T, dW = -dV' S^T and d gamma; then the chain through
     W = M B_w, Qg, Kg, gamma, the two pairwise exp(G_i - G_j) forms (X, Y from part 1, sub-chunk
-    factorised), the reverse cumulative sum, the gate and the L2 norm. Nothing [C, K] leaves the chip
-    except the four gradients.
+    factorised), the reverse cumulative sum and the gate. The L2 norm's backward needs a sum over
+    all key columns: with the norm, dq/dk are written as rq * dq_hat (float32) together with the
+    per-row coefficients rq^2 sum(q_hat * dq_hat), and `pallas._core_bwd` finishes
+    dq = rq dq_hat - q * coef (likewise dk) in one elementwise pass.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
     do_ref, vn_ref, dvn_ref, h_ref, dh_ref, m2_ref, x_ref, y_ref, dbp_ref = refs[i:i + 9]
     outs = refs[i + 9:]
     dq_ref, dk_ref, dg_ref, dbeta_ref = outs[:4]
-    n = cfg.chunk // BC
-    c = cfg.chunk
-    p, m, e, s = _load_prep(cfg, _chunk_index(cfg), ins)
-    it = intra(cfg, p, s)
-    dqg = jnp.zeros((c, cfg.dk), F32)
-    dkg = jnp.zeros((c, cfg.dk), F32)
-    dw = jnp.zeros((c, cfg.dk), F32)
-    dgam = jnp.zeros((1, cfg.dk), F32)
-    bv = cfg.bv_bwd
-    for j in range(cfg.dv // bv):
-        cols = slice(j * bv, (j + 1) * bv)
-        ht = h_ref[cols, :]
-        dht = dh_ref[cols, :]
-        dqg = dqg + mm(cfg, do_ref[:, cols], ht)
-        dkg = dkg + mm(cfg, vn_ref[:, cols], dht)
-        dw = dw - mm(cfg, dvn_ref[:, cols], ht)
-        dgam = dgam + jnp.sum(ht.astype(F32) * dht.astype(F32), axis=0, keepdims=True)
+    n, c, bk = cfg.chunk // BC, cfg.chunk, cfg.bk
+    m, e, _ = _masks(cfg, ins)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     M = m2_ref[...]
-    dbw = mm_tn(cfg, M, dw, "mid")
-    gam = jnp.exp(it.G)
-    qh, kh = p.q, p.k
-    mg = gam if m is None else gam * m
-    dqh = (cfg.scale * mg) * dqg
-    dG = dqh * qh
-    t = (p.beta * mg) * dbw
-    dkh = t
-    dG = dG + t * kh
-    dbeta = dbp_ref[...] + jnp.sum(dbw * mg * kh, axis=1, keepdims=True)
-    kappa = jnp.exp(it.G_last - it.G)
-    if e is not None:
-        kappa = kappa * e
-    dkh = dkh + dkg * kappa
-    z = dkg * kh * kappa
-    dG = dG - z
-    gl = jnp.exp(it.G_last)
-    if m is not None:
-        gl = gl * row(m, c - 1)
-    last = jnp.sum(z, axis=0, keepdims=True) + dgam * gl
-    dG = dG + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
-    # pairwise forms: X (Aqk, q on the left) and Y (At, k on the left), split into 16x16 blocks.
-    xb = [split_cols(cfg, r_, n) for r_ in split_rows(cfg, x_ref[...], n)]
-    yb = [split_cols(cfg, r_, n) for r_ in split_rows(cfg, y_ref[...], n)]
-    kf = [kb * F for kb, F in zip(it.kb, it.F, strict=True)]
-    ke = [kb * E for kb, E in zip(it.kb, it.E, strict=True)]
-    qe = [qb * E for qb, E in zip(it.qb, it.E, strict=True)]
-    rx, ry, cx, cy = [], [], [], []
-    for a in range(n):
-        accx = accy = None
-        for b in range(a + 1):
-            rhs = kf[b] if b == a else kf[b] * it.w[(a, b)]
-            tx = mm(cfg, xb[a][b], rhs, "mid")
-            ty = mm(cfg, yb[a][b], rhs, "mid")
-            accx = tx if accx is None else accx + tx
-            accy = ty if accy is None else accy + ty
-        rx.append(it.E[a] * accx)
-        ry.append(it.E[a] * accy)
-    for b in range(n):
-        accx = accy = None
-        for a in range(b, n):
-            rq_ = qe[a] if a == b else qe[a] * it.w[(a, b)]
-            rk_ = ke[a] if a == b else ke[a] * it.w[(a, b)]
-            tx = mm_tn(cfg, xb[a][b], rq_, "mid")
-            ty = mm_tn(cfg, yb[a][b], rk_, "mid")
-            accx = tx if accx is None else accx + tx
-            accy = ty if accy is None else accy + ty
-        cx.append(it.F[b] * accx)
-        cy.append(it.F[b] * accy)
-    RX, RY, CX, CY = stack_rows(rx), stack_rows(ry), stack_rows(cx), stack_rows(cy)
-    dqh = dqh + RX
-    dkh = dkh + RY + CX + CY
-    dG = dG + qh * RX + kh * (RY - CX - CY)
-    dg = revcumsum_rows(cfg, dG)
-    if p.valid is not None:
-        dg = jnp.where(p.valid, dg, 0.0)
-    if cfg.gate is not None:
-        pa_ref, pb_ref = outs[4:6]
-        dgraw = dg * p.dg_dx
-        pa_ref[...] = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
-        pb_ref[...] = jnp.sum(dgraw, axis=0, keepdims=True)
-    else:
-        dgraw = dg
-    if cfg.l2norm:
-        dqh = p.rq * (dqh - qh * jnp.sum(qh * dqh, axis=1, keepdims=True))
-        dkh = p.rk * (dkh - kh * jnp.sum(kh * dkh, axis=1, keepdims=True))
-    dq_ref[...] = dqh.astype(dq_ref.dtype)
-    dk_ref[...] = dkh.astype(dk_ref.dtype)
-    dg_ref[...] = dgraw.astype(dg_ref.dtype)
+    zero_col = jnp.zeros((c, 1), F32)
+    ci = _chunk_index(cfg)
+
+    def xy(ref, a: int, b: int) -> jax.Array:
+        return ref[a * BC:(a + 1) * BC, b * BC:(b + 1) * BC]
+
+    def value_block(cols):
+        def step(vc, acc):
+            dqg, dkg, dw, dgam = acc
+            ht = h_ref[vc, cols]
+            dht = dh_ref[vc, cols]
+            return (dqg + mm(cfg, do_ref[:, vc], ht), dkg + mm(cfg, vn_ref[:, vc], dht),
+                    dw - mm(cfg, dvn_ref[:, vc], ht),
+                    dgam + jnp.sum(ht.astype(F32) * dht.astype(F32), axis=0, keepdims=True))
+
+        z = jnp.zeros((c, bk), F32)
+        return kloop(cfg, cfg.dv, cfg.bv_bwd, step, (z, z, z, jnp.zeros((1, bk), F32)))
+
+    def key_block(cols, carry):
+        dbeta, sq, sk = carry
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
+        it = intra(cfg, p, None)  # X and Y arrive masked
+        dqg, dkg, dw, dgam = value_block(cols)
+        dbw = mm_tn(cfg, M, dw, "mid")
+        gam = jnp.exp(it.G)
+        qh, kh = p.q, p.k
+        mg = gam if m is None else gam * m
+        dqh = (cfg.scale * mg) * dqg
+        dG = dqh * qh
+        t = (p.beta * mg) * dbw
+        dG = dG + t * kh
+        dbeta = dbeta + jnp.sum(dbw * mg * kh, axis=1, keepdims=True)
+        kappa = jnp.exp(it.G_last - it.G)
+        if e is not None:
+            kappa = kappa * e
+        dkh = t + dkg * kappa
+        z = dkg * kh * kappa
+        dG = dG - z
+        gl = jnp.exp(it.G_last)
+        if m is not None:
+            gl = gl * row(m, c - 1)
+        last = jnp.sum(z, axis=0, keepdims=True) + dgam * gl
+        dG = dG + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
+        # pairwise forms: X (Aqk, q on the left) and Y (At, k on the left), 16x16 blocks.
+        kf = [kb * F for kb, F in zip(it.kb, it.F, strict=True)]
+        ke = [kb * E for kb, E in zip(it.kb, it.E, strict=True)]
+        qe = [qb * E for qb, E in zip(it.qb, it.E, strict=True)]
+        rx, ry, cx, cy = [], [], [], []
+        for a in range(n):
+            accx = accy = None
+            for b in range(a + 1):
+                rhs = kf[b] if b == a else kf[b] * it.w[(a, b)]
+                tx = mm(cfg, xy(x_ref, a, b), rhs, "mid")
+                ty = mm(cfg, xy(y_ref, a, b), rhs, "mid")
+                accx = tx if accx is None else accx + tx
+                accy = ty if accy is None else accy + ty
+            rx.append(it.E[a] * accx)
+            ry.append(it.E[a] * accy)
+        for b in range(n):
+            accx = accy = None
+            for a in range(b, n):
+                rq_ = qe[a] if a == b else qe[a] * it.w[(a, b)]
+                rk_ = ke[a] if a == b else ke[a] * it.w[(a, b)]
+                tx = mm_tn(cfg, xy(x_ref, a, b), rq_, "mid")
+                ty = mm_tn(cfg, xy(y_ref, a, b), rk_, "mid")
+                accx = tx if accx is None else accx + tx
+                accy = ty if accy is None else accy + ty
+            cx.append(it.F[b] * accx)
+            cy.append(it.F[b] * accy)
+        RX, RY, CX, CY = stack_rows(rx), stack_rows(ry), stack_rows(cx), stack_rows(cy)
+        dqh = dqh + RX
+        dkh = dkh + RY + CX + CY
+        dG = dG + qh * RX + kh * (RY - CX - CY)
+        dg = revcumsum_rows(cfg, dG)
+        if p.valid is not None:
+            dg = jnp.where(p.valid, dg, 0.0)
+        if cfg.gate is not None:
+            pa_ref, pb_ref = outs[4:6]
+            dgraw = dg * p.dg_dx
+            pa_ref[:, cols] = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
+            pb_ref[:, cols] = jnp.sum(dgraw, axis=0, keepdims=True)
+        else:
+            dgraw = dg
+        if cfg.l2norm:
+            sq = sq + jnp.sum(qh * dqh, axis=1, keepdims=True)
+            sk = sk + jnp.sum(kh * dkh, axis=1, keepdims=True)
+            dqh, dkh = rq * dqh, rk * dkh
+        dq_ref[:, cols] = dqh.astype(dq_ref.dtype)
+        dk_ref[:, cols] = dkh.astype(dk_ref.dtype)
+        dg_ref[:, cols] = dgraw.astype(dg_ref.dtype)
+        return dbeta, sq, sk
+
+    dbeta, sq, sk = kloop(cfg, cfg.dk, bk, key_block, (dbp_ref[...], zero_col, zero_col))
     dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
+    if cfg.l2norm:
+        cq_ref, ck_ref = outs[-2:]
+        cq_ref[...] = rq * rq * sq
+        ck_ref[...] = rk * rk * sk
 
 
 # ----------------------------------------------------------------------------------------------
