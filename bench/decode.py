@@ -21,7 +21,7 @@ batch 1: time <= 1.3x the floor.
 `--scan` keeps the layer scans (`decode_loop(unroll_layers=False)`); `--fp8` keeps the layers'
 linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(keep_fp8=True)`
 returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
-every configuration and prints where the device time goes (`bench/profile.py`).
+every configuration and prints where the device time goes (`bench/device_profile.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, random_fp8_params, random_params, write_json
-from bench.profile import device_profile, print_profile
+from bench.device_profile import device_profile, print_profile
 from ling_jax.cache import cache_shapes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_loop

@@ -84,7 +84,7 @@ def decoder_layer(
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
     p = dense_weights(p, x_BTD.dtype)  # FP8-resident weights: this layer's, dequantized here
-    with jax.named_scope("mixer"):  # named scopes label the compiled ops (profiles: bench/profile.py)
+    with jax.named_scope("mixer"):  # named scopes label the compiled ops (profiles: bench/device_profile.py)
         a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
     x_BTD = x_BTD + a
     h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)

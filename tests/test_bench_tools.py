@@ -15,7 +15,7 @@ import pytest
 from conftest import rel_l2
 
 from bench.common import random_fp8_params, random_params
-from bench.profile import hlo_copies, hlo_op_paths
+from bench.device_profile import hlo_copies, hlo_op_paths
 from ling_jax.checkpoint.fp8 import BlockFP8, is_block_fp8
 from ling_jax.config import LingConfig
 

@@ -15,10 +15,13 @@ per-key-channel decays are row vectors [1, K] on both backends.
 
 Overflow (ARCHITECTURE.md §6 item 7): exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) over a
 whole chunk. Rows are grouped into sub-chunks of 16 with reference r_a = G at the sub-chunk's first
-row; E_a = exp(G_a - r_a) <= 1 and F_a = exp(r_a - G_a) <= exp(15 * 5) stay finite for the safe gate
-(g >= -5), and pairs of sub-chunks are joined by exp(r_a - r_b) <= 1. All pairwise products are then
-[16, K] x [K, 16] matmuls, and the 16 x 16 triangular inverses are exact products of 4 doubling
-factors, combined by block forward substitution.
+row; rows i of sub-chunk a pair with every column j <= i through exp(G_i - r_a) <= 1 and
+exp(r_a - G_j), which is <= 1 for earlier sub-chunks and <= exp(15 * 5) inside sub-chunk a for the
+safe gate (g >= -5). The pairwise products are then [16, bk] x [bk, C] matmuls per sub-chunk, and
+the triangular inverse is a short product of [C, C] doubling factors (`solve`).
+
+The chunk-parallel kernels loop over blocks of `Cfg.bk` key columns (everything except the L2 norms
+is per key channel), so a program holds [C, bk] tiles and one copy of the loop body.
 """
 
 from __future__ import annotations
@@ -156,13 +159,6 @@ def split_rows(cfg: Cfg, x: jax.Array, n: int) -> list[jax.Array]:
     return [x[i * s:(i + 1) * s] for i in range(n)]
 
 
-def split_cols(cfg: Cfg, x: jax.Array, n: int) -> list[jax.Array]:
-    if cfg.backend == "triton":
-        return list(jnp.split(x, n, axis=1))
-    s = x.shape[1] // n
-    return [x[:, i * s:(i + 1) * s] for i in range(n)]
-
-
 def stack_rows(blocks: Sequence[jax.Array]) -> jax.Array:
     """[s, N] blocks -> [n s, N] (tile + select: Triton has no general concatenate)."""
     n = len(blocks)
@@ -172,18 +168,6 @@ def stack_rows(blocks: Sequence[jax.Array]) -> jax.Array:
     for i, blk in enumerate(blocks):
         t = jnp.broadcast_to(blk[None], (n, s, cols)).reshape(n * s, cols)
         out = t if out is None else jnp.where(rb == i, t, out)
-    return out
-
-
-def assemble(blocks: dict[tuple[int, int], jax.Array], n: int) -> jax.Array:
-    """Lower block-triangular {(a, b): [s, s]} -> [n s, n s], zero where no block is given."""
-    s = next(iter(blocks.values())).shape[0]
-    rb = iota((n * s, n * s), 0) // s
-    cb = iota((n * s, n * s), 1) // s
-    out = jnp.zeros((n * s, n * s), F32)
-    for (a, b), blk in blocks.items():
-        t = jnp.broadcast_to(blk[None, :, None, :], (n, s, n, s)).reshape(n * s, n * s)
-        out = jnp.where((rb == a) & (cb == b), t, out)
     return out
 
 
@@ -260,88 +244,66 @@ def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, norm: b
 
 
 @dataclasses.dataclass
-class Intra:
-    G: jax.Array  # [C, K] in-chunk cumulative log decay
-    G_last: jax.Array  # [1, K]
-    E: list[jax.Array]  # exp(G_a - r_a) per sub-chunk [16, K]
-    F: list[jax.Array]  # exp(r_a - G_a)
-    w: dict[tuple[int, int], jax.Array]  # exp(r_a - r_b) [1, K], b < a
-    r: list[jax.Array]  # r_a [1, K]
-    kb: list[jax.Array]
-    qb: list[jax.Array]
-    seg: dict[tuple[int, int], jax.Array] | None  # same-segment masks of sub-chunk pairs
+class Decay:
+    """The in-chunk decays of one block of key columns, sub-chunk factorised (module docstring)."""
+
+    G: jax.Array  # [C, bk] in-chunk cumulative log decay
+    G_last: jax.Array  # [1, bk]
+    r: list[jax.Array]  # r_a = G at the first row of sub-chunk a, [1, bk] each
+    E: jax.Array  # [C, bk] exp(G - r_a(row)) <= 1
+    F: jax.Array  # [C, bk] exp(r_a(row) - G) <= exp(15 * 5) for the safe gate
 
 
-def seg_masks(cfg: Cfg, seg_col: jax.Array | None) -> dict[tuple[int, int], jax.Array] | None:
-    """Same-segment masks [16, 16] of the sub-chunk pairs (a, b), b <= a (None without segments)."""
-    if seg_col is None:
-        return None
-    n = cfg.chunk // BC
-    sb = split_rows(cfg, seg_col, n)  # [16, 1] each
-    return {(a, b): sb[a] == col_to_row(sb[b]) for a in range(n) for b in range(a + 1)}
-
-
-def intra(cfg: Cfg, p: Prep, seg: dict | None) -> Intra:
-    n = cfg.chunk // BC
-    G = cumsum_rows(cfg, p.g)
-    Gb = split_rows(cfg, G, n)
-    r = [row(Ga, 0) for Ga in Gb]
-    E = [jnp.exp(Ga - ra) for Ga, ra in zip(Gb, r, strict=True)]
-    F = [jnp.exp(ra - Ga) for Ga, ra in zip(Gb, r, strict=True)]
-    w = {(a, b): jnp.exp(r[a] - r[b]) for a in range(n) for b in range(a)}
-    return Intra(G, row(G, cfg.chunk - 1), E, F, w, r, split_rows(cfg, p.k, n),
-                 split_rows(cfg, p.q, n), seg)
-
-
-def _diag_mask(strict: bool) -> jax.Array:
-    i, j = iota((BC, BC), 0), iota((BC, BC), 1)
-    return i > j if strict else i >= j
-
-
-def pair_blocks(cfg: Cfg, it: Intra, left: list[jax.Array], strict: bool) -> dict:
-    """{(a, b): sum_d left_a[i, d] k_b[j, d] exp(G_ad - G_bd)} for b <= a, masked (j < i or j <= i
-    inside a sub-chunk, same segment)."""
-    n = len(left)
-    out = {}
-    for a in range(n):
-        la = left[a] * it.E[a]
-        for b in range(a + 1):
-            lhs = la if b == a else la * it.w[(a, b)]
-            blk = mm_nt(cfg, lhs, it.kb[b] * it.F[b], "mid")
-            mask = _diag_mask(strict) if b == a else None
-            if it.seg is not None:
-                mask = it.seg[(a, b)] if mask is None else mask & it.seg[(a, b)]
-            if mask is not None:
-                blk = jnp.where(mask, blk, 0.0)
-            out[(a, b)] = blk
-    return out
-
-
-def solve_blocks(cfg: Cfg, at: dict, beta_b: list[jax.Array]) -> dict:
-    """Blocks of M = (I + diag(beta) At)^-1 (unit lower triangular), float32.
-
-    Diagonal 16 x 16 blocks: (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) (A nilpotent);
-    off-diagonal: M_ab = -M_aa sum_{c=b}^{a-1} A_ac M_cb.
-    """
-    n = len(beta_b)
-    eye = (iota((BC, BC), 0) == iota((BC, BC), 1)).astype(F32)
-    A = {key: beta_b[key[0]] * blk for key, blk in at.items()}
-    M = {}
-    for a in range(n):
-        x = -A[(a, a)]
-        inv = eye + x
-        for _ in range(3):
-            x = mm(cfg, x, x, "solve")
-            inv = inv + mm(cfg, inv, x, "solve")
-        M[(a, a)] = inv
+def decay(cfg: Cfg, g: jax.Array) -> Decay:
+    c, n = cfg.chunk, cfg.chunk // BC
+    G = cumsum_rows(cfg, g)
+    r = [row(G, a * BC) for a in range(n)]
+    block = iota(G.shape, 0) // BC
+    R = r[0]
     for a in range(1, n):
-        for b in range(a - 1, -1, -1):
-            acc = None
-            for c in range(b, a):
-                t = mm(cfg, A[(a, c)], M[(c, b)], "solve")
-                acc = t if acc is None else acc + t
-            M[(a, b)] = -mm(cfg, M[(a, a)], acc, "solve")
-    return M
+        R = jnp.where(block == a, r[a], R)
+    return Decay(G, row(G, c - 1), r, jnp.exp(G - R), jnp.exp(R - G))
+
+
+def right_factor(d: Decay, a: int) -> jax.Array:
+    """exp(r_a - G) [C, bk]: <= 1 on rows before sub-chunk a, <= exp(75) inside it; rows after it
+    (always masked out by the caller) are capped so that a product with zero stays zero."""
+    return jnp.exp(jnp.minimum(d.r[a] - d.G, 80.0))
+
+
+def left_factor(d: Decay, b: int) -> jax.Array:
+    """exp(G - r_b) [C, bk]: <= 1 on rows from sub-chunk b on; capped at 1 on earlier rows (masked)."""
+    return jnp.exp(jnp.minimum(d.G - d.r[b], 0.0))
+
+
+def solve(cfg: Cfg, at: jax.Array, beta: jax.Array) -> jax.Array:
+    """M = (I + diag(beta) At)^-1 [C, C] (unit lower triangular), float32, in [C, C] products.
+
+    With A = diag(beta) At split into its 16 x 16 diagonal blocks D and the rest L:
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) (each block is nilpotent of order 16), and
+    I + A = (I + D)(I + N) with N = (I + D)^-1 L strictly block-lower, so N^(C/16) = 0 and
+    M = (I - N)(I + N^2)(I + N^4)... (I + D)^-1.
+    """
+    c = cfg.chunk
+    ri, ci = iota((c, c), 0), iota((c, c), 1)
+    eye = (ri == ci).astype(F32)
+    A = beta * at
+    diag = (ri // BC) == (ci // BC)
+    x = -jnp.where(diag, A, 0.0)
+    dinv = eye + x
+    for _ in range(3):
+        x = mm(cfg, x, x, "solve")
+        dinv = dinv + mm(cfg, dinv, x, "solve")
+    if c == BC:
+        return dinv
+    n_pow = mm(cfg, dinv, jnp.where(diag, 0.0, A), "solve")  # N
+    inv = eye - n_pow
+    e = 2
+    while e < c // BC:
+        n_pow = mm(cfg, n_pow, n_pow, "solve")  # N^e
+        inv = inv + mm(cfg, inv, n_pow, "solve")
+        e *= 2
+    return mm(cfg, inv, dinv, "solve")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,53 +371,61 @@ def pl_program_id(axis: int):
 
 @dataclasses.dataclass
 class Pairs:
-    """The pairwise products of one chunk as [16, 16] sub-chunk blocks {(a, b): [16, 16]}, b <= a:
-    At (strictly lower, k on both sides) and Aqk (lower, q on the left; unscaled), L2-normalised and
-    masked, with the inverse norms [C, 1] (None without the L2 norm)."""
+    """The pairwise products of one chunk, [C, C]: At (strictly lower, k on both sides) and Aqk
+    (lower, q on the left; unscaled; None unless asked for), L2-normalised and masked (same segment),
+    with the inverse norms [C, 1] (None without the L2 norm)."""
 
-    at: dict[tuple[int, int], jax.Array]
-    aqk: dict[tuple[int, int], jax.Array]
+    at: jax.Array
+    aqk: jax.Array | None
     rq: jax.Array | None
     rk: jax.Array | None
 
 
-def chunk_pairs(cfg: Cfg, ins, seg: dict | None, with_aqk: bool) -> Pairs:
+def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
 
     Each step loads a [C, bk] column block of q, k and the gate input, computes the gate and its
     in-chunk cumulative sum for those channels (both are per channel), and adds the block's share of
-    every pairwise product; the L2 norms (which need all columns) scale the sums afterwards, since
-    At and Aqk are bilinear in k and q. A program thus holds [C, bk] tiles, not [C, K] ones."""
-    n = cfg.chunk // BC
+    every pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
+    (k exp(r_a - G))^T [bk, C] (and the same right factor for Aqk). The L2 norms (which need all
+    columns) scale the sums afterwards, since At and Aqk are bilinear in k and q."""
+    n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index(cfg)
-    keys = [(a, b) for a in range(n) for b in range(a + 1)]
-    zero_blocks = {key: jnp.zeros((BC, BC), F32) for key in keys}
-    zero_col = jnp.zeros((cfg.chunk, 1), F32)
+    zero_rows = [jnp.zeros((BC, c), F32)] * n
 
     def step(cols, carry):
         sq, sk, at, aqk = carry
         p = block_prep(cfg, ins, ci, cols, None, None)
-        it = intra(cfg, p, seg)
-        at_j = pair_blocks(cfg, it, it.kb, strict=True)
-        at = {key: at[key] + at_j[key] for key in keys}
-        if with_aqk:
-            aqk_j = pair_blocks(cfg, it, it.qb, strict=False)
-            aqk = {key: aqk[key] + aqk_j[key] for key in keys}
+        d = decay(cfg, p.g)
+        ke = split_rows(cfg, p.k * d.E, n)
+        qe = split_rows(cfg, p.q * d.E, n) if with_aqk else None
+        at_new, aqk_new = [], []
+        for a in range(n):
+            rhs = p.k * right_factor(d, a)
+            at_new.append(at[a] + mm_nt(cfg, ke[a], rhs, "mid"))
+            if with_aqk:
+                aqk_new.append(aqk[a] + mm_nt(cfg, qe[a], rhs, "mid"))
         if cfg.l2norm:
             sq = sq + jnp.sum(p.q * p.q, axis=1, keepdims=True)
             sk = sk + jnp.sum(p.k * p.k, axis=1, keepdims=True)
-        return sq, sk, at, aqk
+        return sq, sk, at_new, aqk_new
 
+    zero_col = jnp.zeros((c, 1), F32)
     sq, sk, at, aqk = kloop(cfg, cfg.dk, cfg.bk, step,
-                            (zero_col, zero_col, zero_blocks, zero_blocks if with_aqk else {}))
+                            (zero_col, zero_col, zero_rows, zero_rows if with_aqk else []))
+    ri, cj = iota((c, c), 0), iota((c, c), 1)
+    keep = ri >= cj
+    if seg is not None:
+        keep = keep & (seg == col_to_row(seg))
+    at = jnp.where(keep & (ri != cj), stack_rows(at), 0.0)
+    aqk = jnp.where(keep, stack_rows(aqk), 0.0) if with_aqk else None
     rq = rk = None
     if cfg.l2norm:
         rq = lax.rsqrt(sq + 1e-6)
         rk = lax.rsqrt(sk + 1e-6)
-        rkb, rqb = split_rows(cfg, rk, n), split_rows(cfg, rq, n)
-        rkr = [col_to_row(x) for x in rkb]
-        at = {(a, b): rkb[a] * blk * rkr[b] for (a, b), blk in at.items()}
-        aqk = {(a, b): rqb[a] * blk * rkr[b] for (a, b), blk in aqk.items()}
+        rk_row = col_to_row(rk)
+        at = rk * at * rk_row
+        aqk = rq * aqk * rk_row if with_aqk else None
     return Pairs(at, aqk, rq, rk)
 
 
@@ -472,12 +442,12 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
     ins, i = _unpack_inputs(cfg, list(refs))
     v_ref = refs[i]
     w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref = refs[i + 1:i + 7]
-    n, c = cfg.chunk // BC, cfg.chunk
+    c = cfg.chunk
     m, e, s = _masks(cfg, ins)
-    pr = chunk_pairs(cfg, ins, seg_masks(cfg, s), with_aqk=True)
+    pr = chunk_pairs(cfg, ins, s, with_aqk=True)
     beta = ins[3][...].astype(F32)
-    M = assemble(solve_blocks(cfg, pr.at, split_rows(cfg, beta, n)), n)  # [C, C]
-    aqk_ref[...] = (cfg.scale * assemble(pr.aqk, n)).astype(aqk_ref.dtype)
+    M = solve(cfg, pr.at, beta)  # [C, C]
+    aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
     coef = beta if m is None else beta * m
     ci = _chunk_index(cfg)
 
@@ -486,7 +456,7 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
         q, k = p.q, p.k
         G = cumsum_rows(cfg, p.g)
         G_last = row(G, c - 1)
-        eg = jnp.exp(G)
+        eg = jnp.exp(G)  # underflows to 0 only where the decay itself does
         w_ref[:, cols] = mm(cfg, M, coef * eg * k).astype(w_ref.dtype)
         qg = cfg.scale * eg * q
         kappa = jnp.exp(G_last - G)
@@ -518,13 +488,11 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
     ins, i = _unpack_inputs(cfg, list(refs))
     v_ref, do_ref, vn_ref, dvn_ref = refs[i:i + 4]
     x_ref, y_ref, mo_ref, dbeta_ref, dv_ref = refs[i + 4:i + 9]
-    n = cfg.chunk // BC
     c = cfg.chunk
     s = _masks(cfg, ins)[2]
     beta = ins[3][...].astype(F32)
-    at = chunk_pairs(cfg, ins, seg_masks(cfg, s), with_aqk=False).at
-    M = assemble(solve_blocks(cfg, at, split_rows(cfg, beta, n)), n)
-    at_full = assemble(at, n)
+    at_full = chunk_pairs(cfg, ins, s, with_aqk=False).at
+    M = solve(cfg, at_full, beta)
     daqk = jnp.zeros((c, c), F32)
     d1 = jnp.zeros((c, c), F32)
     dbeta = jnp.zeros((c, 1), F32)
@@ -577,9 +545,6 @@ def bwd_main_kernel(cfg: Cfg, *refs):
     zero_col = jnp.zeros((c, 1), F32)
     ci = _chunk_index(cfg)
 
-    def xy(ref, a: int, b: int) -> jax.Array:
-        return ref[a * BC:(a + 1) * BC, b * BC:(b + 1) * BC]
-
     def value_block(cols):
         def step(vc, acc):
             dqg, dkg, dw, dgam = acc
@@ -595,10 +560,10 @@ def bwd_main_kernel(cfg: Cfg, *refs):
     def key_block(cols, carry):
         dbeta, sq, sk = carry
         p = block_prep(cfg, ins, ci, cols, rq, rk)
-        it = intra(cfg, p, None)  # X and Y arrive masked
+        d = decay(cfg, p.g)
         dqg, dkg, dw, dgam = value_block(cols)
         dbw = mm_tn(cfg, M, dw, "mid")
-        gam = jnp.exp(it.G)
+        gam = jnp.exp(d.G)
         qh, kh = p.q, p.k
         mg = gam if m is None else gam * m
         dqh = (cfg.scale * mg) * dqg
@@ -606,44 +571,33 @@ def bwd_main_kernel(cfg: Cfg, *refs):
         t = (p.beta * mg) * dbw
         dG = dG + t * kh
         dbeta = dbeta + jnp.sum(dbw * mg * kh, axis=1, keepdims=True)
-        kappa = jnp.exp(it.G_last - it.G)
+        kappa = jnp.exp(d.G_last - d.G)
         if e is not None:
             kappa = kappa * e
         dkh = t + dkg * kappa
         z = dkg * kh * kappa
         dG = dG - z
-        gl = jnp.exp(it.G_last)
+        gl = jnp.exp(d.G_last)
         if m is not None:
             gl = gl * row(m, c - 1)
         last = jnp.sum(z, axis=0, keepdims=True) + dgam * gl
         dG = dG + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
-        # pairwise forms: X (Aqk, q on the left) and Y (At, k on the left), 16x16 blocks.
-        kf = [kb * F for kb, F in zip(it.kb, it.F, strict=True)]
-        ke = [kb * E for kb, E in zip(it.kb, it.E, strict=True)]
-        qe = [qb * E for qb, E in zip(it.qb, it.E, strict=True)]
+        # the pairwise forms X (Aqk, q on the left) and Y (At, k on the left), masked [C, C] from part
+        # 1: by rows of sub-chunk a (X_a: [16, C] times k exp(r_a - G)) and by columns of
+        # sub-chunk b (X_:b^T: [16, C] times q exp(G - r_b)).
         rx, ry, cx, cy = [], [], [], []
         for a in range(n):
-            accx = accy = None
-            for b in range(a + 1):
-                rhs = kf[b] if b == a else kf[b] * it.w[(a, b)]
-                tx = mm(cfg, xy(x_ref, a, b), rhs, "mid")
-                ty = mm(cfg, xy(y_ref, a, b), rhs, "mid")
-                accx = tx if accx is None else accx + tx
-                accy = ty if accy is None else accy + ty
-            rx.append(it.E[a] * accx)
-            ry.append(it.E[a] * accy)
+            rhs = kh * right_factor(d, a)
+            rows = slice(a * BC, (a + 1) * BC)
+            rx.append(mm(cfg, x_ref[rows, :], rhs, "mid"))
+            ry.append(mm(cfg, y_ref[rows, :], rhs, "mid"))
         for b in range(n):
-            accx = accy = None
-            for a in range(b, n):
-                rq_ = qe[a] if a == b else qe[a] * it.w[(a, b)]
-                rk_ = ke[a] if a == b else ke[a] * it.w[(a, b)]
-                tx = mm_tn(cfg, xy(x_ref, a, b), rq_, "mid")
-                ty = mm_tn(cfg, xy(y_ref, a, b), rk_, "mid")
-                accx = tx if accx is None else accx + tx
-                accy = ty if accy is None else accy + ty
-            cx.append(it.F[b] * accx)
-            cy.append(it.F[b] * accy)
-        RX, RY, CX, CY = stack_rows(rx), stack_rows(ry), stack_rows(cx), stack_rows(cy)
+            fac = left_factor(d, b)
+            cols_b = slice(b * BC, (b + 1) * BC)
+            cx.append(mm_tn(cfg, x_ref[:, cols_b], qh * fac, "mid"))
+            cy.append(mm_tn(cfg, y_ref[:, cols_b], kh * fac, "mid"))
+        RX, RY = d.E * stack_rows(rx), d.E * stack_rows(ry)
+        CX, CY = d.F * stack_rows(cx), d.F * stack_rows(cy)
         dqh = dqh + RX
         dkh = dkh + RY + CX + CY
         dG = dG + qh * RX + kh * (RY - CX - CY)
