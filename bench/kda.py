@@ -168,7 +168,7 @@ def per_kernel(args) -> None:
     for h in args.heads:
         cfg = kp.Cfg(backend="triton", interpret=interp, chunk=64, t_valid=t, n_chunks=t // 64, dk=kd, dv=kd,
                      scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
-                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 64))
+                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 32))
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))

@@ -239,7 +239,7 @@ def _export_fwd_and_grad(backend: str, platform: str, **kw):
 
 @pytest.mark.parametrize("block_k", [None, 128])
 def test_triton_lowering(h200_lowering, block_k):
-    """Default key blocks (64 of K = 128: the `scf.for` loops) and one block."""
+    """Default key blocks (32 of K = 128: the `scf.for` loops) and one block."""
     _export_fwd_and_grad("triton", "cuda", block_k=block_k)
 
 

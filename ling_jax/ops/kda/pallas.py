@@ -484,7 +484,7 @@ def kda_pallas(
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
     warps = num_warps or (4, 4, 8)
-    bk = block_k or min(dk, 64 if backend == "triton" else dk)
+    bk = block_k or min(dk, 32 if backend == "triton" else dk)
     if dk % bk:
         raise ValueError(f"block_k={bk} must divide K={dk}")
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
