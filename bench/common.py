@@ -29,7 +29,7 @@ from ling_jax.config import LingConfig, QuantConfig
 from ling_jax.params import ParamSlot, build_tree, get_path
 
 
-def _git_revision() -> str | None:
+def git_revision() -> str | None:
     """HEAD of the checkout the bench runs from (+ "-dirty" with uncommitted changes), or None (no git:
     e.g. a copied tree)."""
     root = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def machine() -> dict[str, Any]:
 
     dev = jax.devices()[0]
     return {"device": dev.device_kind, "platform": dev.platform, "n_devices": jax.device_count(),
-            "git": _git_revision(),
+            "git": git_revision(),
             "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(sys.argv)}

@@ -159,10 +159,11 @@ def per_kernel(args) -> None:
     import jax.numpy as jnp
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import git_revision
     from ling_jax.ops.kda import pallas as kp
 
     out: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "device": jax.devices()[0].device_kind,
-                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "git": git_revision()}
     kd, t = args.dk, args.seq
     interp = jax.default_backend() == "cpu"
     for h in args.heads:
@@ -267,9 +268,12 @@ def main() -> None:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from bench.common import git_revision
+
     report: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git": git_revision(),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "shapes": {"B": 1, "T": args.seq, "K": args.dk, "V": args.dk, "heads": args.heads, "dtype": "bfloat16"},
