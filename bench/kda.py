@@ -133,8 +133,12 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _k_fwd_intra(kp, cfg, *a):
-    return kp._fwd_intra(cfg, *a, ())
+def _k_fwd_pairs(kp, cfg, store, *a):
+    return kp._fwd_pairs(cfg, *a, (), store)
+
+
+def _k_fwd_wu(kp, cfg, *a):
+    return kp._fwd_wu(cfg, *a[:7], (), a[7])
 
 
 def _k_fwd_state(kp, cfg, h0t, store, *a):
@@ -146,7 +150,7 @@ def _k_bwd_state(kp, cfg, *a):
 
 
 def _k_bwd_intra(kp, cfg, *a):
-    return kp._bwd_intra(cfg, *a[:7], (), *a[7:])
+    return kp._bwd_intra(cfg, a[0], (), *a[1:])
 
 
 def _k_bwd_main(kp, cfg, *a):
@@ -154,7 +158,7 @@ def _k_bwd_main(kp, cfg, *a):
 
 
 def per_kernel(args) -> None:
-    """Times each of the five launches alone (bf16, default parameters): where the time goes."""
+    """Times each of the six launches alone (bf16, default parameters): where the time goes."""
     import jax
     import jax.numpy as jnp
 
@@ -177,21 +181,26 @@ def per_kernel(args) -> None:
         al = 0.5 * jax.random.normal(ks[6], (h, 1, 1))
         dtb = jax.random.normal(ks[7], (h, 1, kd))
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
-        f_intra = jax.jit(functools.partial(_k_fwd_intra, kp, cfg))
-        w, u, qg, kg, aqk, gam = f_intra(q, k, v, g, beta, al, dtb)
+        f_pairs = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, False))
+        f_pairs_st = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, True))
+        aqk, mmat, at = f_pairs_st(q, k, g, beta, al, dtb)
+        f_wu = jax.jit(functools.partial(_k_fwd_wu, kp, cfg))
+        w, u, qg, kg, gam = f_wu(q, k, v, g, beta, al, dtb, mmat)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
         o, ht, hs, vn = f_state_st(w, u, qg, kg, aqk, gam)
         f_bstate = jax.jit(functools.partial(_k_bwd_state, kp, cfg))
         dh, dvn, dh0 = f_bstate(qg, w, kg, aqk, gam, do, ht)
         f_bintra = jax.jit(functools.partial(_k_bwd_intra, kp, cfg))
-        x, y, mmat, dbp, dv = f_bintra(q, k, v, g, beta, al, dtb, do, vn, dvn)
+        x, y, dbp, dv = f_bintra(beta, v, do, vn, dvn, mmat, at)
         f_bmain = jax.jit(functools.partial(_k_bwd_main, kp, cfg))
         f_bmain(q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
-        a_intra = (q, k, v, g, beta, al, dtb)
-        a_bintra = (q, k, v, g, beta, al, dtb, do, vn, dvn)
+        a_pairs = (q, k, g, beta, al, dtb)
+        a_wu = (q, k, v, g, beta, al, dtb, mmat)
+        a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bmain = (q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
-        cases = [("fwd_intra", f_intra, a_intra), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
+        cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_pairs_storing_at", f_pairs_st, a_pairs),
+                 ("fwd_wu", f_wu, a_wu), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
                  ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
                  ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
                  ("bwd_intra", f_bintra, a_bintra), ("bwd_main", f_bmain, a_bmain)]
@@ -199,10 +208,11 @@ def per_kernel(args) -> None:
             for warps in args.warps:
                 if bk == cfg.bk and warps is None:
                     continue
-                var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else
-                                                         {"warps_intra": warps, "warps_bwd": warps}))
+                var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else {
+                    "warps_pairs": warps, "warps_intra": warps, "warps_bwd": warps}))
                 tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}")
-                cases += [(f"fwd_intra_{tag}", jax.jit(functools.partial(_k_fwd_intra, kp, var)), a_intra),
+                cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
+                          (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
                           (f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra),
                           (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
         res = {}
@@ -376,7 +386,8 @@ def main() -> None:
     variant_list = [("default", {})]
     if args.variants:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
-                         ("warps_4_4_4", {"num_warps": (4, 4, 4)}), ("warps_8_4_8", {"num_warps": (8, 4, 8)}),
+                         ("warps_4_4_4_4", {"num_warps": (4, 4, 4, 4)}),
+                         ("warps_8_8_4_8", {"num_warps": (8, 8, 4, 8)}),
                          ("bvb128", {"block_v_bwd": 128}), ("bk32", {"block_k": 32}),
                          ("bk128", {"block_k": 128})]
     inputs_by_h = {}

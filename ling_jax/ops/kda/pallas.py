@@ -1,16 +1,18 @@
 """`kda_pallas`: chunked KDA as Pallas kernels, GPU (Triton) and TPU (Mosaic) lowerings.
 
-Forward, two launches (kernel bodies in `pallas_chunk.py`):
-  1. `fwd_intra` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay,
-     At, the triangular inverse, W, U, Qg, Kg, Aqk, gamma. Inputs are read once; the [C, C] and
-     [C, K] intermediates of one chunk stay on chip until the five per-chunk products are written.
-  2. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
+Forward, three launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
+blocks of `Cfg.bk` key columns):
+  1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At,
+     Aqk, the triangular inverse M; writes Aqk, M (and At for the backward), [C, C] per chunk.
+  2. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
+  3. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
      chip for the whole sequence; per chunk V' = U - W S, O = Qg S + Aqk V', S <- gamma S + Kg^T V'.
-Backward, three launches (`jax.custom_vjp`; the forward's per-chunk products and states are the
-residuals, everything [C, C] is recomputed):
-  3. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
-  4. `bwd_intra` (chunk-parallel): recomputes At, M; dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
-  5. `bwd_main` (chunk-parallel): dq, dk, d(gate input), dbeta, and per-chunk sums for a_log/dt_bias.
+Backward, three launches (`jax.custom_vjp`; the residuals are the forward's per-chunk products, M,
+At and the chunk states):
+  4. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
+  5. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
+  6. `bwd_main` (chunk-parallel, [C, K] level): dq, dk, d(gate input), dbeta, and per-chunk sums for
+     a_log/dt_bias; the L2 norm's backward is finished by one elementwise XLA pass.
 
 On GPU the kernels lower through Triton (`pl.pallas_call` + `pltriton.CompilerParams`); on TPU through
 Mosaic (`pltpu.CompilerParams`, sequential kernels as an "arbitrary" grid axis with a VMEM state);
@@ -98,8 +100,32 @@ def _inputs(cfg: Cfg, q, k, g, beta, a_log, dt, masks) -> list[jax.Array]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks):
-    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+def _num_heads(cfg: Cfg, x: jax.Array) -> tuple[int, int]:
+    return x.shape[0], x.shape[2] if cfg.layout == "bthd" else x.shape[1]
+
+
+def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
+    """Aqk (compute dtype), M (float32) [, At (float32) when `store_at`], [.., C] per token."""
+    b, h = _num_heads(cfg, q)
+    c = cfg.chunk
+    out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), jnp.dtype(cfg.cd)),
+                 jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32)]
+    out_shape += out_shape[1:] if store_at else []
+    return pl.pallas_call(
+        functools.partial(pc.fwd_pairs_kernel, cfg, store_at),
+        out_shape=out_shape,
+        grid=(b, h, cfg.n_chunks),
+        in_specs=_input_specs(cfg),
+        out_specs=[_tok(cfg, c)] * len(out_shape),
+        compiler_params=_compiler_params(cfg, cfg.warps_pairs),
+        interpret=cfg.interpret,
+        name="kda_fwd_pairs",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
+
+
+def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
+    """W, U, Qg, Kg (compute dtype) and gamma [B, H, NT, 1, K] from part 1's M."""
+    b, h = _num_heads(cfg, q)
     c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
     cd = jnp.dtype(cfg.cd)
     out_shape = [
@@ -107,22 +133,18 @@ def _fwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks):
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), cd),  # U
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Qg
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Kg
-        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), cd),  # Aqk
         jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32),  # gamma
     ]
-    out_specs = [_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, c), _chk(1, dk)]
-    ins = _inputs(cfg, q, k, g, beta, a_log, dt, masks)
-
     return pl.pallas_call(
-        functools.partial(pc.fwd_intra_kernel, cfg),
+        functools.partial(pc.fwd_wu_kernel, cfg),
         out_shape=out_shape,
         grid=(b, h, nt),
-        in_specs=[*_input_specs(cfg), _tok(cfg, dv)],
-        out_specs=out_specs,
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)],
+        out_specs=[_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _chk(1, dk)],
         compiler_params=_compiler_params(cfg, cfg.warps_intra),
         interpret=cfg.interpret,
-        name="kda_fwd_intra",
-    )(*ins, v)
+        name="kda_fwd_wu",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
 
 
 def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
@@ -298,13 +320,12 @@ def _bwd_state(cfg: Cfg, qg, w, kg, aqk, gam, do, dht, dcs):
     )(*args)
 
 
-def _bwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn):
-    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+def _bwd_intra(cfg: Cfg, beta, masks, v, do, vn, dvn, mmat, at):
+    b, h = _num_heads(cfg, v)
     c, dv = cfg.chunk, cfg.dv
     out_shape = [
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # X
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # Y
-        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32),  # M
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, 1), F32),  # dbeta (partial)
         jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), v.dtype),  # dv
     ]
@@ -312,16 +333,17 @@ def _bwd_intra(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn):
         functools.partial(pc.bwd_intra_kernel, cfg),
         out_shape=out_shape,
         grid=(b, h, cfg.n_chunks),
-        in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv)],
-        out_specs=[_tok(cfg, c), _tok(cfg, c), _tok(cfg, c), _tok(cfg, 1), _tok(cfg, dv)],
-        compiler_params=_compiler_params(cfg, cfg.warps_intra),
+        in_specs=[_tok(cfg, 1), *([_msk(cfg)] * len(masks)), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv),
+                  _tok(cfg, dv), _tok(cfg, c), _tok(cfg, c)],
+        out_specs=[_tok(cfg, c), _tok(cfg, c), _tok(cfg, 1), _tok(cfg, dv)],
+        compiler_params=_compiler_params(cfg, cfg.warps_pairs),
         interpret=cfg.interpret,
         name="kda_bwd_intra",
-    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, do, vn, dvn)
+    )(beta, *masks, v, do, vn, dvn, mmat, at)
 
 
 def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm_, x, y, dbp):
-    b, h = q.shape[0], q.shape[2] if cfg.layout == "bthd" else q.shape[1]
+    b, h = _num_heads(cfg, q)
     c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
     qk_dtype = F32 if cfg.l2norm else q.dtype  # with the norm: rq * dq_hat, finished in _core_bwd
     out_shape = [
@@ -357,9 +379,10 @@ def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm
 
 
 def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store: bool):
-    w, u, qg, kg, aqk, gam = _fwd_intra(cfg, q, k, v, g, beta, a_log, dt, masks)
+    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=store)
+    w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
     outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=store, store_vn=store)
-    return outs, (w, qg, kg, aqk, gam)
+    return outs, (w, qg, kg, aqk, gam, mmat, *at)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -370,21 +393,20 @@ def _core(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
 
 
 def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
-    (o, ht, hs, vn), (w, qg, kg, aqk, gam) = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks,
-                                                          store=True)
-    res = (q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, hs, vn)
+    (o, ht, hs, vn), chunk_res = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store=True)
+    res = (q, k, v, g, beta, a_log, dt, masks, *chunk_res, hs, vn)
     return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
 
 
 def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
-    q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, hs, vn = res
+    q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, mmat, at, hs, vn = res
     do, dht = cts[0], cts[1]
     dcs = cts[2].astype(F32) if want_states else None
     cd = jnp.dtype(cfg.cd)
     do = do.astype(cd)
     dh, dvn, dh0 = _bwd_state(cfg, qg, w, kg, aqk, gam, do, dht.astype(F32), dcs)
-    x, y, mm_, dbp, dv = _bwd_intra(cfg, q, k, v, g, beta, a_log, dt, masks, do, vn, dvn)
-    outs = _bwd_main(cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs.astype(cd), dh, mm_, x, y, dbp)
+    x, y, dbp, dv = _bwd_intra(cfg, beta, masks, v, do, vn, dvn, mmat, at)
+    outs = _bwd_main(cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs.astype(cd), dh, mmat, x, y, dbp)
     dq, dk, dg, dbeta = outs[:4]
     if cfg.l2norm:  # the L2 norm's backward: its per-row sums span every key block
         cq, ck = outs[-2:]
@@ -451,7 +473,7 @@ def kda_pallas(
     interpret: bool | None = None,
     block_v: int | None = None,
     block_v_bwd: int | None = None,
-    num_warps: tuple[int, int, int] | None = None,
+    num_warps: tuple[int, int, int, int] | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
@@ -461,8 +483,8 @@ def kda_pallas(
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
     `block_v` / `block_v_bwd` / `block_k` / `num_warps`: tile sizes and warps of the kernels
-    (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the chunk-parallel forward, the sequential and the
-    chunk-parallel backward kernels); defaults per backend.
+    (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the [C, C]-level kernels, the [C, K]-level forward,
+    the sequential kernels and the [C, K]-level backward); defaults per backend.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -483,14 +505,15 @@ def kda_pallas(
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
-    warps = num_warps or (4, 4, 8)
+    warps = num_warps or (8, 4, 4, 8)
     bk = block_k or min(dk, 32 if backend == "triton" else dk)
     if dk % bk:
         raise ValueError(f"block_k={bk} must divide K={dk}")
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, bk=bk, warps_intra=warps[0], warps_state=warps[1], warps_bwd=warps[2])
+              bv_bwd=bvb, bk=bk, warps_pairs=warps[0], warps_intra=warps[1], warps_state=warps[2],
+              warps_bwd=warps[3])
 
     def pad_t(x):
         if t_pad == t:

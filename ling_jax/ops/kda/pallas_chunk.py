@@ -59,9 +59,10 @@ class Cfg:
     bv: int  # value columns per program of the sequential kernels
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
     bk: int  # key columns per step of the K loops of the chunk-parallel kernels (dk: one step)
-    warps_intra: int = 4
-    warps_state: int = 4
-    warps_bwd: int = 8
+    warps_pairs: int = 8  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
+    warps_intra: int = 4  # fwd_wu
+    warps_state: int = 4  # the sequential kernels
+    warps_bwd: int = 8  # bwd_main
     stages_state: int = 2
 
     @property
@@ -429,36 +430,49 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     return Pairs(at, aqk, rq, rk)
 
 
-def fwd_intra_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel forward, one (batch, head, chunk) per program.
+def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
+    """Chunk-parallel forward, part 1, one (batch, head, chunk) per program: the [C, C] level.
 
-    Reads q, k, v, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the
-    L2 norms, the in-chunk cumulative decay, At, the triangular inverse M and W, U, Qg, Kg, Aqk and
-    gamma on chip; writes W, U, Qg, Kg [C, K|V], Aqk [C, C] (compute dtype) and gamma [1, K].
-    Three loops over column blocks keep the live tiles at [C, bk]: At/Aqk (`chunk_pairs`), then
-    W = M diag(beta m) (exp(G) * k), Qg, Kg, gamma per key block (the gate and cumulative sum are
-    recomputed: elementwise work and a column scan), then U = M diag(beta) v per value block.
+    Reads q, k, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the L2
+    norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`) and the triangular inverse M
+    (`solve`); writes Aqk (compute dtype), M (float32) and, for the backward, At (float32).
+    The [C, C] products live in their own launch: their registers would otherwise limit the
+    [C, K]-level kernel below to two 4-warp programs per SM.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
-    v_ref = refs[i]
-    w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref = refs[i + 1:i + 7]
-    c = cfg.chunk
-    m, e, s = _masks(cfg, ins)
-    pr = chunk_pairs(cfg, ins, s, with_aqk=True)
-    beta = ins[3][...].astype(F32)
-    M = solve(cfg, pr.at, beta)  # [C, C]
+    aqk_ref, m_ref = refs[i:i + 2]
+    pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True)
+    m_ref[...] = solve(cfg, pr.at, ins[3][...].astype(F32))
     aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
+    if store_at:
+        refs[i + 2][...] = pr.at
+
+
+def fwd_wu_kernel(cfg: Cfg, *refs):
+    """Chunk-parallel forward, part 2: the [C, K] level, from part 1's M.
+
+    Reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M; writes
+    W = M diag(beta m) (exp(G) * k), Qg, Kg [C, K], gamma [1, K] per block of key columns (the
+    gate, norms and cumulative sum recomputed: elementwise work and a column scan) and
+    U = M diag(beta) v [C, V] per block of value columns.
+    """
+    ins, i = _unpack_inputs(cfg, list(refs))
+    v_ref, mm_ref = refs[i:i + 2]
+    w_ref, u_ref, qg_ref, kg_ref, gam_ref = refs[i + 2:i + 7]
+    c = cfg.chunk
+    m, e, _ = _masks(cfg, ins)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
+    beta = ins[3][...].astype(F32)
     coef = beta if m is None else beta * m
     ci = _chunk_index(cfg)
 
     def key_block(cols, carry):
-        p = block_prep(cfg, ins, ci, cols, pr.rq, pr.rk)
-        q, k = p.q, p.k
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
         G = cumsum_rows(cfg, p.g)
         G_last = row(G, c - 1)
         eg = jnp.exp(G)  # underflows to 0 only where the decay itself does
-        w_ref[:, cols] = mm(cfg, M, coef * eg * k).astype(w_ref.dtype)
-        qg = cfg.scale * eg * q
+        w_ref[:, cols] = mm(cfg, mm_ref[...], coef * eg * p.k).astype(w_ref.dtype)
+        qg = cfg.scale * eg * p.q
         kappa = jnp.exp(G_last - G)
         gam = jnp.exp(G_last)
         if m is not None:
@@ -466,12 +480,12 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
             kappa = kappa * e
             gam = gam * row(m, c - 1)
         qg_ref[:, cols] = qg.astype(qg_ref.dtype)
-        kg_ref[:, cols] = (k * kappa).astype(kg_ref.dtype)
+        kg_ref[:, cols] = (p.k * kappa).astype(kg_ref.dtype)
         gam_ref[:, cols] = gam
         return carry
 
     def value_block(cols, carry):
-        u_ref[:, cols] = mm(cfg, M, beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
+        u_ref[:, cols] = mm(cfg, mm_ref[...], beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
         return carry
 
     kloop(cfg, cfg.dk, cfg.bk, key_block, None)
@@ -481,18 +495,19 @@ def fwd_intra_kernel(cfg: Cfg, *refs):
 def bwd_intra_kernel(cfg: Cfg, *refs):
     """Chunk-parallel backward, part 1: everything that lives at the [C, C] level.
 
-    Recomputes At and M on chip, loops over value blocks of dO, V', dV', v to form dAqk = dO V'^T and
-    dL = -M^T dV' V'^T, writes dv = beta M^T dV' directly, and emits X = scale mask(dAqk),
-    Y = beta mask(dL) and M ([C, C] float32) plus the beta gradient of the At and U terms.
+    refs: beta [, m, e, s], v, dO, V', dV', M and At (both stored by the forward). Loops over value
+    blocks of dO, V', dV', v to form dAqk = dO V'^T and dL = -M^T dV' V'^T, writes dv = beta M^T dV'
+    directly, and emits X = scale mask(dAqk), Y = beta mask(dL) and the beta gradient of the At and
+    U terms.
     """
-    ins, i = _unpack_inputs(cfg, list(refs))
-    v_ref, do_ref, vn_ref, dvn_ref = refs[i:i + 4]
-    x_ref, y_ref, mo_ref, dbeta_ref, dv_ref = refs[i + 4:i + 9]
+    beta_ref = refs[0]
+    i = 4 if cfg.segments else 1
+    s = refs[3][...].astype(F32) if cfg.segments else None
+    v_ref, do_ref, vn_ref, dvn_ref, mm_ref, at_ref = refs[i:i + 6]
+    x_ref, y_ref, dbeta_ref, dv_ref = refs[i + 6:i + 10]
     c = cfg.chunk
-    s = _masks(cfg, ins)[2]
-    beta = ins[3][...].astype(F32)
-    at_full = chunk_pairs(cfg, ins, s, with_aqk=False).at
-    M = solve(cfg, at_full, beta)
+    beta = beta_ref[...].astype(F32)
+    M = mm_ref[...]
     daqk = jnp.zeros((c, c), F32)
     d1 = jnp.zeros((c, c), F32)
     dbeta = jnp.zeros((c, 1), F32)
@@ -512,13 +527,12 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
     da = jnp.where(ri > ci, dl, 0.0)
     xm = jnp.where(ri >= ci, daqk, 0.0)
     if s is not None:
-        same = s == jnp.sum(jnp.where(ri == ci, s, 0.0), axis=0, keepdims=True)
+        same = s == col_to_row(s)
         da = jnp.where(same, da, 0.0)
         xm = jnp.where(same, xm, 0.0)
-    dbeta = dbeta + jnp.sum(da * at_full, axis=1, keepdims=True)
+    dbeta = dbeta + jnp.sum(da * at_ref[...], axis=1, keepdims=True)
     x_ref[...] = cfg.scale * xm
     y_ref[...] = beta * da
-    mo_ref[...] = M
     dbeta_ref[...] = dbeta
 
 
@@ -541,7 +555,6 @@ def bwd_main_kernel(cfg: Cfg, *refs):
     n, c, bk = cfg.chunk // BC, cfg.chunk, cfg.bk
     m, e, _ = _masks(cfg, ins)
     rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
-    M = m2_ref[...]
     zero_col = jnp.zeros((c, 1), F32)
     ci = _chunk_index(cfg)
 
@@ -562,7 +575,7 @@ def bwd_main_kernel(cfg: Cfg, *refs):
         p = block_prep(cfg, ins, ci, cols, rq, rk)
         d = decay(cfg, p.g)
         dqg, dkg, dw, dgam = value_block(cols)
-        dbw = mm_tn(cfg, M, dw, "mid")
+        dbw = mm_tn(cfg, m2_ref[...], dw, "mid")  # M loaded where used: fewer live registers
         gam = jnp.exp(d.G)
         qh, kh = p.q, p.k
         mg = gam if m is None else gam * m
