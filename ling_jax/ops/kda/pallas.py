@@ -505,7 +505,7 @@ def kda_pallas(
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
-    warps = num_warps or (8, 4, 4, 8)
+    warps = num_warps or (4, 4, 4, 8)
     bk = block_k or min(dk, 32 if backend == "triton" else dk)
     if dk % bk:
         raise ValueError(f"block_k={bk} must divide K={dk}")

@@ -59,7 +59,7 @@ class Cfg:
     bv: int  # value columns per program of the sequential kernels
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
     bk: int  # key columns per step of the K loops of the chunk-parallel kernels (dk: one step)
-    warps_pairs: int = 8  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
+    warps_pairs: int = 4  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
     warps_intra: int = 4  # fwd_wu
     warps_state: int = 4  # the sequential kernels
     warps_bwd: int = 8  # bwd_main
