@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -204,17 +205,18 @@ def per_kernel(args) -> None:
                  ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
                  ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
                  ("bwd_intra", f_bintra, a_bintra), ("bwd_main", f_bmain, a_bmain)]
-        for bk in args.block_k:  # the chunk-parallel kernels at other key blocks / warps
-            for warps in args.warps:
-                if bk == cfg.bk and warps is None:
-                    continue
-                var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else {
-                    "warps_pairs": warps, "warps_intra": warps, "warps_bwd": warps}))
-                tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}")
-                cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
-                          (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
-                          (f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra),
-                          (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
+        for bk, warps, stages in itertools.product(args.block_k or [cfg.bk], args.warps, args.stages):
+            # the chunk-parallel kernels at other key blocks / warps / pipeline stages
+            if bk == cfg.bk and warps is None and stages is None:
+                continue
+            var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else {
+                "warps_pairs": warps, "warps_intra": warps, "warps_bwd": warps}),
+                **({} if stages is None else {"stages_chunk": stages}))
+            tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
+            cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
+                      (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
+                      (f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra),
+                      (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
         res = {}
         for name, fn, a in cases:
             for _ in range(2):
@@ -247,9 +249,11 @@ def main() -> None:
     ap.add_argument("--fla-worker", action="store_true")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
     ap.add_argument("--block-k", type=int, nargs="*", default=[],
-                    help="--per-kernel: also time the chunk-parallel kernels at these key blocks")
+                    help="--per-kernel: also time the chunk-parallel kernels at these key blocks (default: Cfg's)")
     ap.add_argument("--warps", type=lambda s: None if s == "default" else int(s), nargs="*",
                     default=[None], help="--per-kernel: ... and these warp counts ('default': Cfg's)")
+    ap.add_argument("--stages", type=lambda s: None if s == "default" else int(s), nargs="*",
+                    default=[None], help="--per-kernel: ... and these pipeline stages ('default': Cfg's)")
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
     if args.fla_worker:

@@ -117,7 +117,7 @@ def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
         grid=(b, h, cfg.n_chunks),
         in_specs=_input_specs(cfg),
         out_specs=[_tok(cfg, c)] * len(out_shape),
-        compiler_params=_compiler_params(cfg, cfg.warps_pairs),
+        compiler_params=_compiler_params(cfg, cfg.warps_pairs, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_pairs",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
@@ -141,7 +141,7 @@ def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
         grid=(b, h, nt),
         in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)],
         out_specs=[_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _chk(1, dk)],
-        compiler_params=_compiler_params(cfg, cfg.warps_intra),
+        compiler_params=_compiler_params(cfg, cfg.warps_intra, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_wu",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
@@ -336,7 +336,7 @@ def _bwd_intra(cfg: Cfg, beta, masks, v, do, vn, dvn, mmat, at):
         in_specs=[_tok(cfg, 1), *([_msk(cfg)] * len(masks)), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv),
                   _tok(cfg, dv), _tok(cfg, c), _tok(cfg, c)],
         out_specs=[_tok(cfg, c), _tok(cfg, c), _tok(cfg, 1), _tok(cfg, dv)],
-        compiler_params=_compiler_params(cfg, cfg.warps_pairs),
+        compiler_params=_compiler_params(cfg, cfg.warps_pairs, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_bwd_intra",
     )(beta, *masks, v, do, vn, dvn, mmat, at)
@@ -367,7 +367,7 @@ def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm
         grid=(b, h, nt),
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=_compiler_params(cfg, cfg.warps_bwd),
+        compiler_params=_compiler_params(cfg, cfg.warps_bwd, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_bwd_main",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), do, vn, dvn, hs, dh, mm_, x, y, dbp)

@@ -64,6 +64,7 @@ class Cfg:
     warps_state: int = 4  # the sequential kernels
     warps_bwd: int = 8  # bwd_main
     stages_state: int = 2
+    stages_chunk: int = 1  # software-pipelining stages of the chunk-parallel kernels' column loops
 
     @property
     def exact(self) -> bool:
