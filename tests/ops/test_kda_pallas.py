@@ -133,6 +133,21 @@ def test_key_blocks_equal_one_block(backend):
         assert rel_l2(a, b) < 1e-5, name
 
 
+@pytest.mark.parametrize("chunk", [16, pytest.param(128, marks=pytest.mark.heavy)])
+def test_chunk_sizes_forward_and_gradients(chunk):
+    """Chunk 16 (one sub-chunk: the inverse is the block-diagonal product alone) and 128 (eight
+    sub-chunks: three factors of the block-lower inverse), segments and a partial last chunk."""
+    x = make_inputs(40 + chunk, 1, 150, 2, 32, 32)
+    segs = awkward_segments(1, 150)
+    o, ht = pallas(*x, segment_ids=segs, chunk_size=chunk)
+    ro, rht = reference(*x, segment_ids=segs, chunk_size=chunk)
+    assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5
+    gp = _grads(functools.partial(pallas, chunk_size=chunk), x, segs, False, seed=2)
+    gr = _grads(reference, x, segs, False, seed=2)
+    for name, a, b in zip(NAMES, gp, gr, strict=True):
+        assert rel_l2(a, b) < 5e-5, (name, rel_l2(a, b))
+
+
 @pytest.mark.heavy
 def test_forward_head_dim_128():
     """K = V = 128 (the model's head size) in interpret mode; the lowering tests below use 128 too."""
