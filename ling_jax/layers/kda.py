@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
-from ling_jax.ops.kda.api import resolve_impl
+from ling_jax.ops.kda.api import pallas_safe_gate, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -71,7 +71,8 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
                                     **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})
 
-    if not multi_device(context_mesh()) or resolve_impl(cfg.kda_impl) != "pallas":
+    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate("a_log" in args, lower_bound))
+    if not multi_device(context_mesh()) or impl != "pallas":
         return op(**args)
     if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split
         args["dt_bias"] = args["dt_bias"].reshape(cfg.num_attention_heads, -1)

@@ -148,6 +148,41 @@ def test_chunk_sizes_forward_and_gradients(chunk):
         assert rel_l2(a, b) < 5e-5, (name, rel_l2(a, b))
 
 
+def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
+    """The sub-chunk factorisation is exact for per-step log decays >= SAFE_LOG_DECAY (-5.33): a
+    precomputed g or the softplus gate beyond it gives NaN outputs (not wrong numbers), a safe gate
+    with a lower bound beyond it is refused, and impl="auto" on a GPU picks the chunked path for
+    any gate not bounded by construction."""
+    from ling_jax.ops.kda import api
+    from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY
+
+    q, k, v, f, beta, a_log, dt_bias, h0 = make_inputs(50, 1, 70, 2, 32, 32)
+    qn, kn = l2_normalize(q), l2_normalize(k)
+    u = jax.random.uniform(jax.random.PRNGKey(1), f.shape)
+    for low, finite in ((-5.0, True), (-8.0, False)):
+        g = low * u
+        o, ht = kda_pallas(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
+        ro, rht = kda_reference(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
+        assert bool(np.isfinite(np.asarray(o)).all()) is finite and bool(np.isfinite(np.asarray(ht)).all()) is finite
+        if finite:
+            assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5
+    # the softplus gate (lower_bound=None): fine while the data keeps it in range, NaN beyond
+    for shift, finite in ((-4.0, True), (4.0, False)):
+        x = f * 0.1 + shift
+        o, _ = kda_pallas(q, k, v, x, beta, scale=32 ** -0.5, use_qk_l2norm=True, a_log=a_log,
+                          dt_bias=dt_bias, lower_bound=None)
+        assert bool(np.isfinite(np.asarray(o)).all()) is finite, shift
+        if finite:
+            ro, _ = kda_reference(qn, kn, v, kda_gate(x, a_log, dt_bias, None), beta, scale=32 ** -0.5)
+            assert rel_l2(o, ro) < 2e-5
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_pallas(q, k, v, f, beta, scale=1.0, a_log=a_log, dt_bias=dt_bias, lower_bound=-8.0)
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    assert api.resolve_impl("auto", api.pallas_safe_gate(True, -5.0)) == "pallas"
+    for fused, bound in ((True, None), (True, SAFE_LOG_DECAY - 1), (False, -5.0)):
+        assert api.resolve_impl("auto", api.pallas_safe_gate(fused, bound)) == "chunked", (fused, bound)
+
+
 @pytest.mark.heavy
 def test_forward_head_dim_128():
     """K = V = 128 (the model's head size) in interpret mode; the lowering tests below use 128 too."""

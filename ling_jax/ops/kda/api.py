@@ -13,6 +13,7 @@ import importlib
 import jax
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 _MODULES = {
@@ -22,13 +23,20 @@ _MODULES = {
 }
 
 
-def resolve_impl(impl: str) -> str:
-    """Maps `auto` to the fastest implementation of the default backend."""
+def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
+    """Whether the decay is bounded, by construction, inside the range the Pallas kernels represent
+    exactly: the fused safe gate with a lower bound >= `SAFE_LOG_DECAY` (Ling-3's is -5)."""
+    return fused_gate and lower_bound is not None and lower_bound >= SAFE_LOG_DECAY
+
+
+def resolve_impl(impl: str, safe_gate: bool = True) -> str:
+    """Maps `auto` to the fastest implementation of the default backend that is exact for the gate:
+    the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`), else the chunked XLA path."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "chunked"
+    return "pallas" if safe_gate and jax.default_backend() in ("gpu", "tpu") else "chunked"
 
 
 def kimi_delta_attention(
@@ -59,7 +67,7 @@ def kimi_delta_attention(
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, pallas_safe_gate(a_log is not None, lower_bound))
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
     if v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.kda import pallas_chunk as pc
+from ling_jax.ops.kda.gate import kda_gate
 from ling_jax.ops.kda.reference import segment_starts
 
 F32 = jnp.float32
@@ -485,6 +486,12 @@ def kda_pallas(
     `block_v` / `block_v_bwd` / `block_k` / `num_warps`: tile sizes and warps of the kernels
     (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the [C, C]-level kernels, the [C, K]-level forward,
     the sequential kernels and the [C, K]-level backward); defaults per backend.
+
+    The kernels factor the in-chunk decays by 16-row sub-chunks, exact for per-step log decays
+    >= `pallas_chunk.SAFE_LOG_DECAY` (-5.33): the safe gate with `lower_bound` >= that bound always
+    is (a lower one raises ValueError); with the softplus gate or a precomputed `g` the bound is
+    checked on the data, and outputs are NaN where it fails (use impl="chunked" for such gates;
+    `kimi_delta_attention(impl="auto")` does).
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -503,6 +510,9 @@ def kda_pallas(
     cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
+    if gate == "lb" and lower_bound < pc.SAFE_LOG_DECAY:
+        raise ValueError(f"lower_bound={lower_bound}: the Pallas KDA kernels need >= {pc.SAFE_LOG_DECAY:.3f} "
+                         "(the sub-chunk factorisation's range); use impl='chunked'")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
     warps = num_warps or (4, 4, 4, 8)
@@ -539,6 +549,10 @@ def kda_pallas(
         al = a_log.astype(F32).reshape(h, 1, 1)
         dtb = dt_bias.astype(F32).reshape(h, 1, dk)
     outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
+    if gate != "lb":  # the decay is not bounded by construction: outputs are NaN where it leaves the range
+        g_log = g if gate is None else kda_gate(g, a_log, dt_bias, None)
+        in_range = jnp.min(g_log.astype(F32)) >= pc.SAFE_LOG_DECAY
+        outs = jax.tree.map(lambda x: jnp.where(in_range, x, jnp.nan).astype(x.dtype), outs)
     o = outs[0]
     if cfg.layout == "bhtd":
         o = jnp.swapaxes(o, 1, 2)

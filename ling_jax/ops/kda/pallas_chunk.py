@@ -36,6 +36,12 @@ from jax import lax
 F32 = jnp.float32
 BC = 16  # sub-chunk rows
 HI = lax.Precision.HIGHEST
+EXP_CAP = 80.0  # largest exponent a pairwise factor may take (exp(80) ~ 5.5e34; float32 overflows at ~88.7)
+# The smallest per-step log decay the sub-chunk factorisation represents exactly: inside a sub-chunk the
+# right factor reaches exp(-15 g). The safe gate (lower bound -5) stays inside it; a gate that does not
+# (the softplus gate, a precomputed g) is checked by `pallas.kda_pallas` and falls back to "chunked"
+# under impl="auto".
+SAFE_LOG_DECAY = -EXP_CAP / (BC - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +274,10 @@ def decay(cfg: Cfg, g: jax.Array) -> Decay:
 
 
 def right_factor(d: Decay, a: int) -> jax.Array:
-    """exp(r_a - G) [C, bk]: <= 1 on rows before sub-chunk a, <= exp(75) inside it; rows after it
-    (always masked out by the caller) are capped so that a product with zero stays zero."""
-    return jnp.exp(jnp.minimum(d.r[a] - d.G, 80.0))
+    """exp(r_a - G) [C, bk]: <= 1 on rows before sub-chunk a, <= exp(-15 g_min) inside it (exp(75)
+    for the safe gate); rows after it (always masked out by the caller) are capped so that a product
+    with zero stays zero."""
+    return jnp.exp(jnp.minimum(d.r[a] - d.G, EXP_CAP))
 
 
 def left_factor(d: Decay, b: int) -> jax.Array:
@@ -374,8 +381,8 @@ def pl_program_id(axis: int):
 @dataclasses.dataclass
 class Pairs:
     """The pairwise products of one chunk, [C, C]: At (strictly lower, k on both sides) and Aqk
-    (lower, q on the left; unscaled; None unless asked for), L2-normalised and masked (same segment),
-    with the inverse norms [C, 1] (None without the L2 norm)."""
+    (lower, q on the left; unscaled; None unless asked for) of the L2-normalised q and k, masked
+    (same segment), with the inverse norms [C, 1] (None without the L2 norm)."""
 
     at: jax.Array
     aqk: jax.Array | None
@@ -386,18 +393,20 @@ class Pairs:
 def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
 
-    Each step loads a [C, bk] column block of q, k and the gate input, computes the gate and its
-    in-chunk cumulative sum for those channels (both are per channel), and adds the block's share of
-    every pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
-    (k exp(r_a - G))^T [bk, C] (and the same right factor for Aqk). The L2 norms (which need all
-    columns) scale the sums afterwards, since At and Aqk are bilinear in k and q."""
+    A first loop sums the squares of q and k for the L2 norms (they need every column); the second
+    loads a [C, bk] column block of q, k and the gate input, computes the gate and its in-chunk
+    cumulative sum for those channels (both are per channel), and adds the block's share of every
+    pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
+    (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
+    keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
     n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index(cfg)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     zero_rows = [jnp.zeros((BC, c), F32)] * n
 
     def step(cols, carry):
-        sq, sk, at, aqk = carry
-        p = block_prep(cfg, ins, ci, cols, None, None)
+        at, aqk = carry
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
         d = decay(cfg, p.g)
         ke = split_rows(cfg, p.k * d.E, n)
         qe = split_rows(cfg, p.q * d.E, n) if with_aqk else None
@@ -407,27 +416,15 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
             at_new.append(at[a] + mm_nt(cfg, ke[a], rhs, "mid"))
             if with_aqk:
                 aqk_new.append(aqk[a] + mm_nt(cfg, qe[a], rhs, "mid"))
-        if cfg.l2norm:
-            sq = sq + jnp.sum(p.q * p.q, axis=1, keepdims=True)
-            sk = sk + jnp.sum(p.k * p.k, axis=1, keepdims=True)
-        return sq, sk, at_new, aqk_new
+        return at_new, aqk_new
 
-    zero_col = jnp.zeros((c, 1), F32)
-    sq, sk, at, aqk = kloop(cfg, cfg.dk, cfg.bk, step,
-                            (zero_col, zero_col, zero_rows, zero_rows if with_aqk else []))
+    at, aqk = kloop(cfg, cfg.dk, cfg.bk, step, (zero_rows, zero_rows if with_aqk else []))
     ri, cj = iota((c, c), 0), iota((c, c), 1)
     keep = ri >= cj
     if seg is not None:
         keep = keep & (seg == col_to_row(seg))
     at = jnp.where(keep & (ri != cj), stack_rows(at), 0.0)
     aqk = jnp.where(keep, stack_rows(aqk), 0.0) if with_aqk else None
-    rq = rk = None
-    if cfg.l2norm:
-        rq = lax.rsqrt(sq + 1e-6)
-        rk = lax.rsqrt(sk + 1e-6)
-        rk_row = col_to_row(rk)
-        at = rk * at * rk_row
-        aqk = rq * aqk * rk_row if with_aqk else None
     return Pairs(at, aqk, rq, rk)
 
 
