@@ -159,7 +159,8 @@ def _k_bwd_main(kp, cfg, *a):
 
 
 def per_kernel(args) -> None:
-    """Times each of the six launches alone (bf16, default parameters): where the time goes."""
+    """Times each of the six launches alone (bf16, default parameters; with --block-k / --warps /
+    --stages also the chunk-parallel ones at those settings): where the time goes."""
     import jax
     import jax.numpy as jnp
 
@@ -210,13 +211,14 @@ def per_kernel(args) -> None:
             if bk == cfg.bk and warps is None and stages is None:
                 continue
             var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else {
-                "warps_pairs": warps, "warps_intra": warps, "warps_bwd": warps}),
+                "warps_pairs": warps, "warps_wu": warps, "warps_bwd": warps}),
                 **({} if stages is None else {"stages_chunk": stages}))
             tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
             cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
                       (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
-                      (f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra),
                       (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
+            if warps is not None or stages is not None:  # bwd_intra has no key loop
+                cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
         res = {}
         for name, fn, a in cases:
             for _ in range(2):
@@ -392,7 +394,7 @@ def main() -> None:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
                          ("warps_4_4_4_4", {"num_warps": (4, 4, 4, 4)}),
                          ("warps_8_8_4_8", {"num_warps": (8, 8, 4, 8)}),
-                         ("bvb128", {"block_v_bwd": 128}), ("bk32", {"block_k": 32}),
+                         ("bvb128", {"block_v_bwd": 128}), ("bk64", {"block_k": 64}),
                          ("bk128", {"block_k": 128})]
     inputs_by_h = {}
     for h in args.heads:

@@ -151,6 +151,7 @@ def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_byte
     h = _div(cfg.num_attention_heads, sizes, "tensor")
     dh = cfg.head_dim
     per_token = (3 * p + 3 * p + 2 * p + 2 * p) * act_bytes + p * 4 + cfg.hidden_size * act_bytes
+    per_token += 2 * h * 64 * 4  # the Pallas kernels' backward residuals M and At: [C = 64] float32 per head
     return tokens * per_token + math.ceil(tokens / 64) * h * dh * dh * 4
 
 

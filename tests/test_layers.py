@@ -174,3 +174,32 @@ def test_ragged_experts_gradients_equal_dense():
     gb = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2, 3, 4))(x, w, *ws)
     for a, b in zip(ga, gb, strict=True):
         assert rel_l2(a, b) < 1e-5
+
+
+def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypatch):
+    """The KDA layer resolves "auto" with its own gate (the config's safe gate): on a GPU it runs the
+    Pallas kernels both when the gate is fused (no padding) and when it is precomputed for padded
+    prompts (prefill); with the softplus gate (no lower bound) it runs the chunked path."""
+    import ling_jax
+    from ling_jax.layers import kda as kda_layer
+    from ling_jax.ops.kda import api
+    from ling_jax.params import init_params
+
+    seen: list[str] = []
+    real = kda_layer.kimi_delta_attention
+
+    def spy(*a, impl, **kw):
+        seen.append(impl)
+        return real(*a, impl="chunked", **kw)
+
+    monkeypatch.setattr(kda_layer, "kimi_delta_attention", spy)
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 8)))
+    mask = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3])
+    for bound, want in ((-5.0, "pallas"), (None, "chunked")):
+        cfg = LingConfig.preset("debug", kda_lower_bound=bound)
+        params = init_params(cfg, seed=1)
+        for attention_mask in (None, mask):
+            seen.clear()
+            ling_jax.forward(cfg, params, ids, attention_mask=attention_mask)
+            assert seen and set(seen) == {want}, (bound, attention_mask is None, seen)

@@ -64,14 +64,16 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     args = {k: v for k, v in args.items() if v is not None}
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
 
+    # g is the config's gate, fused (a_log given) or precomputed by `kda_gate` with the same bound
+    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate(True, cfg.kda_lower_bound))
+
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]
             a["dt_bias"] = a["dt_bias"].reshape(-1)
-        return kimi_delta_attention(scale=scale, impl=cfg.kda_impl, use_qk_l2norm=True, lower_bound=lower_bound,
+        return kimi_delta_attention(scale=scale, impl=impl, use_qk_l2norm=True, lower_bound=lower_bound,
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
                                     **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})
 
-    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate("a_log" in args, lower_bound))
     if not multi_device(context_mesh()) or impl != "pallas":
         return op(**args)
     if "dt_bias" in args:  # [H * K] head-major -> [H, K] so heads can be split

@@ -142,7 +142,7 @@ def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
         grid=(b, h, nt),
         in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)],
         out_specs=[_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _chk(1, dk)],
-        compiler_params=_compiler_params(cfg, cfg.warps_intra, cfg.stages_chunk),
+        compiler_params=_compiler_params(cfg, cfg.warps_wu, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_wu",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
@@ -379,22 +379,25 @@ def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store: bool):
-    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=store)
+def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states: bool, for_grad: bool):
+    """The three forward launches; `states`: also the chunk states, `for_grad`: also the backward's
+    residuals (At, the chunk states, V')."""
+    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
     w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
-    outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=store, store_vn=store)
+    outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=states or for_grad, store_vn=for_grad)
     return outs, (w, qg, kg, aqk, gam, mmat, *at)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _core(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
-    outs, _ = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store=want_states)
+    outs, _ = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states=want_states, for_grad=False)
     o, ht = outs[:2]
     return (o, ht, outs[2]) if want_states else (o, ht)
 
 
 def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
-    (o, ht, hs, vn), chunk_res = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, store=True)
+    (o, ht, hs, vn), chunk_res = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states=True,
+                                              for_grad=True)
     res = (q, k, v, g, beta, a_log, dt, masks, *chunk_res, hs, vn)
     return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
 
@@ -438,6 +441,15 @@ def _default_backend() -> tuple[str, bool]:
     if plat == "tpu":
         return "tpu", False
     return "triton", True
+
+
+def _in_range(g: jax.Array) -> jax.Array:
+    """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K]: inside every
+    16-row sub-chunk, the decay from its first row to each later row stays above -EXP_CAP."""
+    b, t, h, dk = g.shape
+    rows = -(-t // pc.BC) * pc.BC
+    gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // pc.BC, pc.BC, h, dk)
+    return jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -pc.EXP_CAP
 
 
 def _segment_masks(segment_ids: jax.Array, c: int, t_pad: int) -> tuple[jax.Array, ...]:
@@ -487,11 +499,12 @@ def kda_pallas(
     (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the [C, C]-level kernels, the [C, K]-level forward,
     the sequential kernels and the [C, K]-level backward); defaults per backend.
 
-    The kernels factor the in-chunk decays by 16-row sub-chunks, exact for per-step log decays
-    >= `pallas_chunk.SAFE_LOG_DECAY` (-5.33): the safe gate with `lower_bound` >= that bound always
-    is (a lower one raises ValueError); with the softplus gate or a precomputed `g` the bound is
-    checked on the data, and outputs are NaN where it fails (use impl="chunked" for such gates;
-    `kimi_delta_attention(impl="auto")` does).
+    The kernels factor the in-chunk decays by 16-row sub-chunks, exact while the decay over the
+    last 15 rows of every sub-chunk stays above -`pallas_chunk.EXP_CAP` (-80), i.e. always for
+    per-step log decays >= `SAFE_LOG_DECAY` (-5.33): the safe gate with `lower_bound` >= that bound
+    always is (a lower one raises ValueError); with the softplus gate or a precomputed `g` the
+    condition is checked on the data, and outputs are NaN where it fails (use impl="chunked" for
+    such gates; `kimi_delta_attention(impl="auto")` does).
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -517,12 +530,10 @@ def kda_pallas(
     bvb = block_v_bwd or min(dv, 64)
     warps = num_warps or (4, 4, 4, 8)
     bk = block_k or min(dk, 32 if backend == "triton" else dk)
-    if dk % bk:
-        raise ValueError(f"block_k={bk} must divide K={dk}")
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, bk=bk, warps_pairs=warps[0], warps_intra=warps[1], warps_state=warps[2],
+              bv_bwd=bvb, bk=bk, warps_pairs=warps[0], warps_wu=warps[1], warps_state=warps[2],
               warps_bwd=warps[3])
 
     def pad_t(x):
@@ -551,8 +562,7 @@ def kda_pallas(
     outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
     if gate != "lb":  # the decay is not bounded by construction: outputs are NaN where it leaves the range
         g_log = g if gate is None else kda_gate(g, a_log, dt_bias, None)
-        in_range = jnp.min(g_log.astype(F32)) >= pc.SAFE_LOG_DECAY
-        outs = jax.tree.map(lambda x: jnp.where(in_range, x, jnp.nan).astype(x.dtype), outs)
+        outs = jax.tree.map(lambda x: jnp.where(_in_range(g_log), x, jnp.nan).astype(x.dtype), outs)
     o = outs[0]
     if cfg.layout == "bhtd":
         o = jnp.swapaxes(o, 1, 2)

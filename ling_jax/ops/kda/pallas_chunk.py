@@ -66,11 +66,17 @@ class Cfg:
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
     bk: int  # key columns per step of the K loops of the chunk-parallel kernels (dk: one step)
     warps_pairs: int = 4  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
-    warps_intra: int = 4  # fwd_wu
+    warps_wu: int = 4  # fwd_wu
     warps_state: int = 4  # the sequential kernels
     warps_bwd: int = 8  # bwd_main
     stages_state: int = 2
     stages_chunk: int = 1  # software-pipelining stages of the chunk-parallel kernels' column loops
+
+    def __post_init__(self) -> None:
+        if self.bk > self.dk or self.dk % self.bk:
+            raise ValueError(f"key block bk={self.bk} must divide K={self.dk}")
+        if self.chunk % BC:
+            raise ValueError(f"chunk={self.chunk} must be a multiple of {BC}")
 
     @property
     def exact(self) -> bool:
@@ -204,29 +210,22 @@ def sigmoid(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass
 class Prep:
-    q: jax.Array  # [C, K] normalised q (float32)
-    k: jax.Array  # [C, K]
-    rq: jax.Array | None  # [C, 1] 1 / ||q|| (None without L2 norm)
-    rk: jax.Array | None
-    g: jax.Array  # [C, K] log decay, zero on padding rows
-    dg_dx: jax.Array | None  # [C, K] d g / d (g_raw) when the gate is fused
-    dg_da: jax.Array | None  # [C, K] d g / d a_log
+    """One block of key columns of a chunk, in float32: q, k (raw or L2-normalised, see
+    `block_prep`), the gate's log decay and its derivatives, beta and the valid-row mask."""
+
+    q: jax.Array  # [C, bk]
+    k: jax.Array  # [C, bk]
+    g: jax.Array  # [C, bk] log decay, zero on padding rows
+    dg_dx: jax.Array | None  # [C, bk] d g / d (g_raw) when the gate is fused
+    dg_da: jax.Array | None  # [C, bk] d g / d a_log
     beta: jax.Array  # [C, 1]
     valid: jax.Array | None  # [C, 1] bool, rows before t_valid (None when T is a chunk multiple)
 
 
-def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, norm: bool = True) -> Prep:
-    """Fused gate and L2 norm, all in float32 (ARCHITECTURE.md §2.4 steps 6-7). `norm=False` leaves
-    q and k raw (a block of key columns: the norms need every column and are applied later)."""
+def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias) -> Prep:
+    """The fused gate of one block of key columns (ARCHITECTURE.md §2.4 step 7), all in float32;
+    q and k are returned raw (the L2 norm needs every column: `inv_norms`)."""
     c = cfg.chunk
-    q = q_raw.astype(F32)
-    k = k_raw.astype(F32)
-    rq = rk = None
-    if cfg.l2norm and norm:
-        rq = lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
-        rk = lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
-        q = q * rq
-        k = k * rk
     x = g_raw.astype(F32)
     dg_dx = dg_da = None
     if cfg.gate is None:
@@ -248,7 +247,7 @@ def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, norm: b
     if cfg.padded:
         valid = (chunk_idx * c + iota((c, 1), 0)) < cfg.t_valid
         g = jnp.where(valid, g, 0.0)
-    return Prep(q, k, rq, rk, g, dg_dx, dg_da, beta.astype(F32), valid)
+    return Prep(q_raw.astype(F32), k_raw.astype(F32), g, dg_dx, dg_da, beta.astype(F32), valid)
 
 
 @dataclasses.dataclass
@@ -259,7 +258,7 @@ class Decay:
     G_last: jax.Array  # [1, bk]
     r: list[jax.Array]  # r_a = G at the first row of sub-chunk a, [1, bk] each
     E: jax.Array  # [C, bk] exp(G - r_a(row)) <= 1
-    F: jax.Array  # [C, bk] exp(r_a(row) - G) <= exp(15 * 5) for the safe gate
+    F: jax.Array  # [C, bk] exp(r_a(row) - G) <= exp(-15 g_min) (exp(75) for the safe gate)
 
 
 def decay(cfg: Cfg, g: jax.Array) -> Decay:
@@ -346,11 +345,10 @@ def block_prep(cfg: Cfg, ins, ci, cols, rq: jax.Array | None, rk: jax.Array | No
     cannot discharge a program id inside one); q and k scaled by the inverse norms when given."""
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dt_ref = ins[:6]
     p = prep(cfg, ci, q_ref[:, cols], k_ref[:, cols], g_ref[:, cols], beta_ref[...],
-             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[:, cols],
-             norm=False)
+             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[:, cols])
     if rq is None:
         return p
-    return dataclasses.replace(p, q=p.q * rq, k=p.k * rk, rq=rq, rk=rk)
+    return dataclasses.replace(p, q=p.q * rq, k=p.k * rk)
 
 
 def inv_norms(cfg: Cfg, ins) -> tuple[jax.Array, jax.Array]:
@@ -382,12 +380,10 @@ def pl_program_id(axis: int):
 class Pairs:
     """The pairwise products of one chunk, [C, C]: At (strictly lower, k on both sides) and Aqk
     (lower, q on the left; unscaled; None unless asked for) of the L2-normalised q and k, masked
-    (same segment), with the inverse norms [C, 1] (None without the L2 norm)."""
+    (same segment)."""
 
     at: jax.Array
     aqk: jax.Array | None
-    rq: jax.Array | None
-    rk: jax.Array | None
 
 
 def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
@@ -425,7 +421,7 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
         keep = keep & (seg == col_to_row(seg))
     at = jnp.where(keep & (ri != cj), stack_rows(at), 0.0)
     aqk = jnp.where(keep, stack_rows(aqk), 0.0) if with_aqk else None
-    return Pairs(at, aqk, rq, rk)
+    return Pairs(at, aqk)
 
 
 def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
