@@ -149,10 +149,11 @@ def test_chunk_sizes_forward_and_gradients(chunk):
 
 
 def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
-    """The sub-chunk factorisation is exact for per-step log decays >= SAFE_LOG_DECAY (-5.33): a
-    precomputed g or the softplus gate beyond it gives NaN outputs (not wrong numbers), a safe gate
-    with a lower bound beyond it is refused, and impl="auto" on a GPU picks the chunked path for
-    any gate not bounded by construction."""
+    """The sub-chunk factorisation is exact while the decay over each sub-chunk's last 15 rows stays
+    above -80 (always for per-step log decays >= SAFE_LOG_DECAY, -5.33): for a gate not bounded by
+    construction (a precomputed g, the softplus gate, a lower bound below that) the kernels give NaN
+    outputs beyond it, not wrong numbers, and impl="auto" on a GPU checks the data and takes the
+    chunked path there."""
     from ling_jax.ops.kda import api
     from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY
 
@@ -180,12 +181,26 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
         if finite:
             ro, _ = kda_reference(qn, kn, v, kda_gate(x, a_log, dt_bias, None), beta, scale=32 ** -0.5)
             assert rel_l2(o, ro) < 2e-5
-    with pytest.raises(ValueError, match="lower_bound"):
-        kda_pallas(q, k, v, f, beta, scale=1.0, a_log=a_log, dt_bias=dt_bias, lower_bound=-8.0)
-    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    # a safe gate whose bound is below the range: checked on the data like the others
+    for shift, finite in ((-6.0, True), (6.0, False)):
+        o, _ = kda_pallas(q, k, v, f * 0.1 + shift, beta, scale=32 ** -0.5, use_qk_l2norm=True, a_log=a_log,
+                          dt_bias=dt_bias, lower_bound=-8.0)
+        assert bool(np.isfinite(np.asarray(o)).all()) is finite, shift
+    monkeypatch.setattr(api, "on_accelerator", lambda: True)  # a GPU, as far as "auto" is concerned
     assert api.resolve_impl("auto", api.pallas_safe_gate(True, -5.0)) == "pallas"
     for fused, bound in ((True, None), (True, SAFE_LOG_DECAY - 1), (False, -5.0)):
         assert api.resolve_impl("auto", api.pallas_safe_gate(fused, bound)) == "chunked", (fused, bound)
+    # ... and "auto" with a gate not bounded by construction takes the kernels where the data allows
+    # (here: interpret mode) and the chunked path elsewhere: right either way
+    for low in (-5.0, -8.0):
+        g = low * u
+        o, ht = kimi_delta_attention(qn, kn, v, g, beta, initial_state=h0, impl="auto")
+        ro, rht = kda_reference(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
+        assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5, low
+        grads = [jax.grad(lambda qq, fn=fn: jnp.sum(fn(qq)[0] * v))(qn) for fn in (
+            lambda qq: kimi_delta_attention(qq, kn, v, g, beta, initial_state=h0, impl="auto"),
+            lambda qq: kda_reference(qq, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0))]
+        assert rel_l2(*grads) < 2e-5, low
 
 
 @pytest.mark.heavy

@@ -13,7 +13,7 @@ import importlib
 import jax
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY
+from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY, decay_in_range
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 _MODULES = {
@@ -29,14 +29,20 @@ def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
     return fused_gate and lower_bound is not None and lower_bound >= SAFE_LOG_DECAY
 
 
+def on_accelerator() -> bool:
+    """Whether the default backend has the Pallas KDA kernels (GPU or TPU)."""
+    return jax.default_backend() in ("gpu", "tpu")
+
+
 def resolve_impl(impl: str, safe_gate: bool = True) -> str:
-    """Maps `auto` to the fastest implementation of the default backend that is exact for the gate:
-    the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`), else the chunked XLA path."""
+    """Maps `auto` to the fastest implementation of the default backend that is exact for the gate by
+    construction: the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`), else the
+    chunked XLA path (`kimi_delta_attention` then still takes the kernels when the data allows)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "pallas" if safe_gate and jax.default_backend() in ("gpu", "tpu") else "chunked"
+    return "pallas" if safe_gate and on_accelerator() else "chunked"
 
 
 def kimi_delta_attention(
@@ -67,7 +73,9 @@ def kimi_delta_attention(
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
     """
-    impl = resolve_impl(impl, pallas_safe_gate(a_log is not None, lower_bound))
+    safe = pallas_safe_gate(a_log is not None, lower_bound)
+    checked = impl == "auto" and not safe and on_accelerator()  # kernels if the data allows, else chunked
+    impl = resolve_impl(impl, safe)
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
     if v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
@@ -75,6 +83,14 @@ def kimi_delta_attention(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if checked:
+        opts = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size, segment_ids=segment_ids,
+                    return_chunk_states=return_chunk_states, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
+                    dt_bias=dt_bias, lower_bound=lower_bound)
+        g_log = g if a_log is None else kda_gate(g, a_log, dt_bias, lower_bound)
+        return jax.lax.cond(decay_in_range(g_log),
+                            lambda *x: kimi_delta_attention(*x, impl="pallas", **opts),
+                            lambda *x: kimi_delta_attention(*x, impl="chunked", **opts), q, k, v, g, beta)
     module, name = _MODULES[impl]
     fn = getattr(importlib.import_module(module), name)
     fused = getattr(fn, "fuses_gate_and_norm", False)

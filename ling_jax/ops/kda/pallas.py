@@ -443,15 +443,6 @@ def _default_backend() -> tuple[str, bool]:
     return "triton", True
 
 
-def _in_range(g: jax.Array) -> jax.Array:
-    """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K]: inside every
-    16-row sub-chunk, the decay from its first row to each later row stays above -EXP_CAP."""
-    b, t, h, dk = g.shape
-    rows = -(-t // pc.BC) * pc.BC
-    gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // pc.BC, pc.BC, h, dk)
-    return jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -pc.EXP_CAP
-
-
 def _segment_masks(segment_ids: jax.Array, c: int, t_pad: int) -> tuple[jax.Array, ...]:
     """[B, T] ids -> (m, e, s) [B, T_pad] float32: row continues the chunk's incoming state, row is
     in the chunk's last segment, monotone segment index."""
@@ -501,10 +492,10 @@ def kda_pallas(
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while the decay over the
     last 15 rows of every sub-chunk stays above -`pallas_chunk.EXP_CAP` (-80), i.e. always for
-    per-step log decays >= `SAFE_LOG_DECAY` (-5.33): the safe gate with `lower_bound` >= that bound
-    always is (a lower one raises ValueError); with the softplus gate or a precomputed `g` the
-    condition is checked on the data, and outputs are NaN where it fails (use impl="chunked" for
-    such gates; `kimi_delta_attention(impl="auto")` does).
+    per-step log decays >= `SAFE_LOG_DECAY` (-5.33), as the safe gate with `lower_bound` >= that
+    bound guarantees. For any other gate (a lower bound below it, the softplus gate, a precomputed
+    `g`) the condition is checked on the data and the outputs are NaN where it fails;
+    `kimi_delta_attention(impl="auto")` then runs the chunked path instead.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -523,9 +514,6 @@ def kda_pallas(
     cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
-    if gate == "lb" and lower_bound < pc.SAFE_LOG_DECAY:
-        raise ValueError(f"lower_bound={lower_bound}: the Pallas KDA kernels need >= {pc.SAFE_LOG_DECAY:.3f} "
-                         "(the sub-chunk factorisation's range); use impl='chunked'")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
     warps = num_warps or (4, 4, 4, 8)
@@ -560,9 +548,9 @@ def kda_pallas(
         al = a_log.astype(F32).reshape(h, 1, 1)
         dtb = dt_bias.astype(F32).reshape(h, 1, dk)
     outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
-    if gate != "lb":  # the decay is not bounded by construction: outputs are NaN where it leaves the range
-        g_log = g if gate is None else kda_gate(g, a_log, dt_bias, None)
-        outs = jax.tree.map(lambda x: jnp.where(_in_range(g_log), x, jnp.nan).astype(x.dtype), outs)
+    if gate != "lb" or lower_bound < pc.SAFE_LOG_DECAY:  # not bounded by construction: NaN outside the range
+        g_log = g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound)
+        outs = jax.tree.map(lambda x: jnp.where(pc.decay_in_range(g_log), x, jnp.nan).astype(x.dtype), outs)
     o = outs[0]
     if cfg.layout == "bhtd":
         o = jnp.swapaxes(o, 1, 2)

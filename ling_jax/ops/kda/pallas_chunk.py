@@ -44,6 +44,15 @@ EXP_CAP = 80.0  # largest exponent a pairwise factor may take (exp(80) ~ 5.5e34;
 SAFE_LOG_DECAY = -EXP_CAP / (BC - 1)
 
 
+def decay_in_range(g: jax.Array) -> jax.Array:
+    """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K] (any chunk size):
+    inside every 16-row sub-chunk, the decay from its first row to each later row stays above -EXP_CAP."""
+    b, t, h, dk = g.shape
+    rows = -(-t // BC) * BC
+    gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // BC, BC, h, dk)
+    return jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_CAP
+
+
 @dataclasses.dataclass(frozen=True)
 class Cfg:
     """Static configuration of one KDA Pallas call (hashable; part of every jit cache key)."""
