@@ -145,13 +145,16 @@ def moe_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_byte
     return total
 
 
-def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_bytes: int = 2) -> float:
-    """Dominant buffers of one KDA layer for `tokens` local tokens (heads split over tensor)."""
+def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_bytes: int = 2,
+                training: bool = False) -> float:
+    """Dominant buffers of one KDA layer for `tokens` local tokens (heads split over tensor);
+    `training`: with the Pallas kernels' backward residuals."""
     p = _div(cfg.kda_dim, sizes, "tensor")
     h = _div(cfg.num_attention_heads, sizes, "tensor")
     dh = cfg.head_dim
     per_token = (3 * p + 3 * p + 2 * p + 2 * p) * act_bytes + p * 4 + cfg.hidden_size * act_bytes
-    per_token += 2 * h * 64 * 4  # the Pallas kernels' backward residuals M and At: [C = 64] float32 per head
+    if training:
+        per_token += 2 * h * 64 * 4  # the Pallas kernels' backward residuals M and At: [C = 64] float32 per head
     return tokens * per_token + math.ceil(tokens / 64) * h * dh * dh * 4
 
 
@@ -228,7 +231,7 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("saved layer inputs (remat)", n["layers"] * t * cfg.hidden_size * 2,
              f"{n['layers']} layers x {t} tokens/device x D bf16")
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t) + t * cfg.hidden_size * 2 * 6,
-                            "KDA": kda_buffers(cfg, sizes, t),
+                            "KDA": kda_buffers(cfg, sizes, t, training=True),
                             "MLA T x T scores": mla_buffers(cfg, sizes, max(1, round(rows)), seq_len)})
     plan.add("one layer recomputed + its grads", 2 * work, f"largest layer: {layer}, x2 (values + grads)")
     v_l = _div(cfg.vocab_size, sizes, "tensor")

@@ -193,7 +193,7 @@ def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypat
         return real(*a, impl="chunked", **kw)
 
     monkeypatch.setattr(kda_layer, "kimi_delta_attention", spy)
-    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(api, "on_accelerator", lambda: True)  # a GPU, as far as "auto" is concerned
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 8)))
     mask = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3])
     for bound, want in ((-5.0, "pallas"), (None, "chunked")):

@@ -20,6 +20,7 @@ from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import pallas_safe_gate, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+from ling_jax.ops.kda.pallas_chunk import supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
 
 
@@ -65,7 +66,8 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
 
     # g is the config's gate, fused (a_log given) or precomputed by `kda_gate` with the same bound
-    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate(True, cfg.kda_lower_bound))
+    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate(True, cfg.kda_lower_bound),
+                        supports(64, cfg.head_dim, cfg.head_dim))
 
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]

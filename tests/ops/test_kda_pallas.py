@@ -172,6 +172,27 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
     o, _ = kda_pallas(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
     ro, _ = kda_reference(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
     assert rel_l2(o, ro) < 2e-5
+    from ling_jax.ops.kda.pallas_chunk import decay_in_range
+
+    assert bool(decay_in_range(-5.0 * u)) and not bool(decay_in_range(-8.0 * u))
+    first = jnp.where(jnp.arange(70)[None, :, None, None] % 16 == 0, -200.0, -0.1) * jnp.ones_like(f)
+    assert bool(decay_in_range(first))  # a sub-chunk's first row never enters an exponent
+    assert not bool(decay_in_range(first.at[0, 5, 0, 0].set(1.0)))  # not a decay
+    # at the edge of the range (15 rows summing to -79.5, then a steeper step): forward and every
+    # gradient still match (the backward's column forms take their reference at a sub-chunk's last row)
+    t = jnp.arange(70)[None, :, None, None]
+    edge = jnp.where((t >= 1) & (t <= 15), -5.3, jnp.where(t == 16, -7.0, -0.01)) * jnp.ones_like(f)
+    assert bool(decay_in_range(edge))
+    ge = _grads(lambda *a, **kw: kda_pallas(*a[:5], scale=32 ** -0.5, initial_state=a[7])[:2], (qn, kn, v, edge, beta,
+                a_log, dt_bias, h0), None, False, seed=4)
+    gr = _grads(lambda *a, **kw: kda_reference(*a[:5], scale=32 ** -0.5, initial_state=a[7])[:2], (qn, kn, v, edge,
+                beta, a_log, dt_bias, h0), None, False, seed=4)
+    for name, a, b in zip(NAMES, ge, gr, strict=True):
+        if name not in ("a_log", "dt_bias"):
+            assert rel_l2(a, b) < 2e-5, (name, rel_l2(a, b))
+            if name in ("q", "k", "v"):  # and row by row (a lost term shows in one row: 4e-2 for k before)
+                err = np.abs(np.asarray(a) - np.asarray(b)).max(axis=(0, 2, 3))
+                assert np.max(err / np.abs(np.asarray(b)).max(axis=(0, 2, 3))) < 1e-4, name
     # the softplus gate (lower_bound=None): fine while the data keeps it in range, NaN beyond
     for shift, finite in ((-4.0, True), (4.0, False)):
         x = f * 0.1 + shift
@@ -192,15 +213,21 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
         assert api.resolve_impl("auto", api.pallas_safe_gate(fused, bound)) == "chunked", (fused, bound)
     # ... and "auto" with a gate not bounded by construction takes the kernels where the data allows
     # (here: interpret mode) and the chunked path elsewhere: right either way
+    jaxpr = str(jax.make_jaxpr(lambda g: kimi_delta_attention(qn, kn, v, g, beta, impl="auto"))(-5.0 * u))
+    assert "cond[" in jaxpr and "pallas_call" in jaxpr
     for low in (-5.0, -8.0):
         g = low * u
         o, ht = kimi_delta_attention(qn, kn, v, g, beta, initial_state=h0, impl="auto")
         ro, rht = kda_reference(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
         assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5, low
-        grads = [jax.grad(lambda qq, fn=fn: jnp.sum(fn(qq)[0] * v))(qn) for fn in (
-            lambda qq: kimi_delta_attention(qq, kn, v, g, beta, initial_state=h0, impl="auto"),
-            lambda qq: kda_reference(qq, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0))]
-        assert rel_l2(*grads) < 2e-5, low
+        x = (qn, kn, v, g, beta, a_log, dt_bias, h0)
+        ga = _grads(lambda *a, **kw: kimi_delta_attention(*a[:5], initial_state=a[7], impl="auto"), x, None,
+                    False, seed=6)
+        gr = _grads(lambda *a, **kw: kda_reference(*a[:5], scale=32 ** -0.5, initial_state=a[7]), x, None, False,
+                    seed=6)
+        for name, a, b in zip(NAMES, ga, gr, strict=True):
+            if name not in ("a_log", "dt_bias"):
+                assert rel_l2(a, b) < 2e-5, (low, name)
 
 
 @pytest.mark.heavy

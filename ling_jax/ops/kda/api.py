@@ -13,7 +13,7 @@ import importlib
 import jax
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY, decay_in_range
+from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY, decay_in_range, supports
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 _MODULES = {
@@ -25,8 +25,8 @@ _MODULES = {
 
 def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
     """Whether the decay is bounded, by construction, inside the range the Pallas kernels represent
-    exactly: the fused safe gate with a lower bound >= `SAFE_LOG_DECAY` (Ling-3's is -5)."""
-    return fused_gate and lower_bound is not None and lower_bound >= SAFE_LOG_DECAY
+    exactly: the fused safe gate with SAFE_LOG_DECAY <= lower bound <= 0 (Ling-3's is -5)."""
+    return fused_gate and lower_bound is not None and SAFE_LOG_DECAY <= lower_bound <= 0.0
 
 
 def on_accelerator() -> bool:
@@ -34,15 +34,16 @@ def on_accelerator() -> bool:
     return jax.default_backend() in ("gpu", "tpu")
 
 
-def resolve_impl(impl: str, safe_gate: bool = True) -> str:
+def resolve_impl(impl: str, safe_gate: bool = True, supported: bool = True) -> str:
     """Maps `auto` to the fastest implementation of the default backend that is exact for the gate by
-    construction: the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`), else the
-    chunked XLA path (`kimi_delta_attention` then still takes the kernels when the data allows)."""
+    construction: the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`) and the shapes
+    are `supported` (`pallas_chunk.supports`), else the chunked XLA path (`kimi_delta_attention`
+    then still takes the kernels where the data allows)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "pallas" if safe_gate and on_accelerator() else "chunked"
+    return "pallas" if safe_gate and supported and on_accelerator() else "chunked"
 
 
 def kimi_delta_attention(
@@ -73,15 +74,19 @@ def kimi_delta_attention(
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
     """
-    safe = pallas_safe_gate(a_log is not None, lower_bound)
-    checked = impl == "auto" and not safe and on_accelerator()  # kernels if the data allows, else chunked
-    impl = resolve_impl(impl, safe)
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
     if v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H]; got {v.shape}, {beta.shape}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
+    if a_log is not None and dt_bias is None:
+        raise ValueError("a_log given without dt_bias")
+    safe = pallas_safe_gate(a_log is not None, lower_bound)
+    supported = supports(chunk_size, q.shape[-1], v.shape[-1])
+    # a gate not bounded by construction: the kernels where the data allows, else the chunked path
+    checked = impl == "auto" and not safe and supported and on_accelerator()
+    impl = resolve_impl(impl, safe, supported)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if checked:
         opts = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size, segment_ids=segment_ids,
@@ -105,8 +110,6 @@ def kimi_delta_attention(
         return fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                   lower_bound=lower_bound, **kwargs)
     if a_log is not None:
-        if dt_bias is None:
-            raise ValueError("a_log given without dt_bias")
         g = kda_gate(g, a_log, dt_bias, lower_bound)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)

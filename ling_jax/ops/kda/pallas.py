@@ -500,10 +500,9 @@ def kda_pallas(
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size
-    if c not in (16, 32, 64, 128):
-        raise ValueError(f"kda_pallas supports chunk_size 16, 32, 64 or 128, got {c}")
-    if dk % 16 or dv % 16 or dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError(f"kda_pallas needs power-of-two head dims >= 16, got K={dk}, V={dv}")
+    if not pc.supports(c, dk, dv):
+        raise ValueError(f"kda_pallas supports chunk_size 16, 32, 64 or 128 and power-of-two head dims >= 16, "
+                         f"got chunk_size={c}, K={dk}, V={dv}")
     if a_log is not None and dt_bias is None:
         raise ValueError("a_log given without dt_bias")
     dback, dinterp = _default_backend()

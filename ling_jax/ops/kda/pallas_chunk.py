@@ -46,11 +46,17 @@ SAFE_LOG_DECAY = -EXP_CAP / (BC - 1)
 
 def decay_in_range(g: jax.Array) -> jax.Array:
     """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K] (any chunk size):
-    inside every 16-row sub-chunk, the decay from its first row to each later row stays above -EXP_CAP."""
+    g <= 0 (a decay), and inside every 16-row sub-chunk the decay from its first row to its last
+    (the largest exponent a factor takes) stays above -EXP_CAP."""
     b, t, h, dk = g.shape
     rows = -(-t // BC) * BC
     gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // BC, BC, h, dk)
-    return jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_CAP
+    return (jnp.max(gs) <= 0.0) & (jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_CAP)
+
+
+def supports(chunk: int, dk: int, dv: int) -> bool:
+    """Whether the kernels take this chunk size and these head dims (powers of two >= 16)."""
+    return chunk in (16, 32, 64, 128) and all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,24 +267,40 @@ def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias) -> Prep
 
 @dataclasses.dataclass
 class Decay:
-    """The in-chunk decays of one block of key columns, sub-chunk factorised (module docstring)."""
+    """The in-chunk decays of one block of key columns, sub-chunk factorised (module docstring).
+
+    Rows of a pairwise form (row i, columns j <= i) use the reference at the first row of i's
+    sub-chunk, columns (the backward's transposed forms) the one at the last row of j's sub-chunk:
+    then the factor applied after the product is <= 1, and the in-product factor underflows only
+    where the term it stands for is negligible."""
 
     G: jax.Array  # [C, bk] in-chunk cumulative log decay
     G_last: jax.Array  # [1, bk]
     r: list[jax.Array]  # r_a = G at the first row of sub-chunk a, [1, bk] each
     E: jax.Array  # [C, bk] exp(G - r_a(row)) <= 1
-    F: jax.Array  # [C, bk] exp(r_a(row) - G) <= exp(-15 g_min) (exp(75) for the safe gate)
+    s: list[jax.Array] | None  # s_b = G at the last row of sub-chunk b (columns only)
+    Fs: jax.Array | None  # [C, bk] exp(s_b(row) - G) <= 1
 
 
-def decay(cfg: Cfg, g: jax.Array) -> Decay:
+def decay(cfg: Cfg, g: jax.Array, columns: bool = False) -> Decay:
+    """`Decay` of the log decay block g [C, bk]; `columns`: also the column references."""
     c, n = cfg.chunk, cfg.chunk // BC
     G = cumsum_rows(cfg, g)
-    r = [row(G, a * BC) for a in range(n)]
     block = iota(G.shape, 0) // BC
-    R = r[0]
-    for a in range(1, n):
-        R = jnp.where(block == a, r[a], R)
-    return Decay(G, row(G, c - 1), r, jnp.exp(G - R), jnp.exp(R - G))
+
+    def per_block(refs: list[jax.Array]) -> jax.Array:
+        out = refs[0]
+        for a in range(1, n):
+            out = jnp.where(block == a, refs[a], out)
+        return out
+
+    r = [row(G, a * BC) for a in range(n)]
+    E = jnp.exp(G - per_block(r))
+    s = Fs = None
+    if columns:
+        s = [row(G, a * BC + BC - 1) for a in range(n)]
+        Fs = jnp.exp(per_block(s) - G)
+    return Decay(G, row(G, c - 1), r, E, s, Fs)
 
 
 def right_factor(d: Decay, a: int) -> jax.Array:
@@ -289,8 +311,9 @@ def right_factor(d: Decay, a: int) -> jax.Array:
 
 
 def left_factor(d: Decay, b: int) -> jax.Array:
-    """exp(G - r_b) [C, bk]: <= 1 on rows from sub-chunk b on; capped at 1 on earlier rows (masked)."""
-    return jnp.exp(jnp.minimum(d.G - d.r[b], 0.0))
+    """exp(G - s_b) [C, bk]: <= 1 on rows after sub-chunk b, <= exp(-15 g_min) inside it; rows before
+    it (masked out by the caller) capped like `right_factor`."""
+    return jnp.exp(jnp.minimum(d.G - d.s[b], EXP_CAP))
 
 
 def solve(cfg: Cfg, at: jax.Array, beta: jax.Array) -> jax.Array:
@@ -576,7 +599,7 @@ def bwd_main_kernel(cfg: Cfg, *refs):
     def key_block(cols, carry):
         dbeta, sq, sk = carry
         p = block_prep(cfg, ins, ci, cols, rq, rk)
-        d = decay(cfg, p.g)
+        d = decay(cfg, p.g, columns=True)
         dqg, dkg, dw, dgam = value_block(cols)
         dbw = mm_tn(cfg, m2_ref[...], dw, "mid")  # M loaded where used: fewer live registers
         gam = jnp.exp(d.G)
@@ -600,7 +623,7 @@ def bwd_main_kernel(cfg: Cfg, *refs):
         dG = dG + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
         # the pairwise forms X (Aqk, q on the left) and Y (At, k on the left), masked [C, C] from part
         # 1: by rows of sub-chunk a (X_a: [16, C] times k exp(r_a - G)) and by columns of
-        # sub-chunk b (X_:b^T: [16, C] times q exp(G - r_b)).
+        # sub-chunk b (X_:b^T: [16, C] times q exp(G - s_b)).
         rx, ry, cx, cy = [], [], [], []
         for a in range(n):
             rhs = kh * right_factor(d, a)
@@ -613,7 +636,7 @@ def bwd_main_kernel(cfg: Cfg, *refs):
             cx.append(mm_tn(cfg, x_ref[:, cols_b], qh * fac, "mid"))
             cy.append(mm_tn(cfg, y_ref[:, cols_b], kh * fac, "mid"))
         RX, RY = d.E * stack_rows(rx), d.E * stack_rows(ry)
-        CX, CY = d.F * stack_rows(cx), d.F * stack_rows(cy)
+        CX, CY = d.Fs * stack_rows(cx), d.Fs * stack_rows(cy)
         dqh = dqh + RX
         dkh = dkh + RY + CX + CY
         dG = dG + qh * RX + kh * (RY - CX - CY)
