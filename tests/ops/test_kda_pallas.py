@@ -149,11 +149,11 @@ def test_chunk_sizes_forward_and_gradients(chunk):
 
 
 def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
-    """The sub-chunk factorisation is exact while the decay over each sub-chunk's last 15 rows stays
-    above -80 (always for per-step log decays >= SAFE_LOG_DECAY, -5.33): for a gate not bounded by
-    construction (a precomputed g, the softplus gate, a lower bound below that) the kernels give NaN
-    outputs beyond it, not wrong numbers, and impl="auto" on a GPU checks the data and takes the
-    chunked path there."""
+    """The sub-chunk factorisation is exact while each step's log decay and the decay over each
+    sub-chunk's last 15 rows stay >= -75 (always for per-step log decays in [SAFE_LOG_DECAY, 0] =
+    [-5, 0]): for a gate not bounded by construction (a precomputed g, the softplus gate, another
+    lower bound) the kernels give NaN outputs beyond it, not wrong numbers, and impl="auto" on a GPU
+    checks the data and takes the chunked path there (and for shapes the kernels do not take)."""
     from ling_jax.ops.kda import api
     from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY
 
@@ -175,13 +175,14 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
     from ling_jax.ops.kda.pallas_chunk import decay_in_range
 
     assert bool(decay_in_range(-5.0 * u)) and not bool(decay_in_range(-8.0 * u))
-    first = jnp.where(jnp.arange(70)[None, :, None, None] % 16 == 0, -200.0, -0.1) * jnp.ones_like(f)
-    assert bool(decay_in_range(first))  # a sub-chunk's first row never enters an exponent
+    first = jnp.where(jnp.arange(70)[None, :, None, None] % 16 == 0, -70.0, -4.0) * jnp.ones_like(f)
+    assert bool(decay_in_range(first))  # a sub-chunk's first row is not in its 15-row sum
+    assert not bool(decay_in_range(first.at[0, 16, 0, 0].set(-76.0)))  # but every step is bounded
     assert not bool(decay_in_range(first.at[0, 5, 0, 0].set(1.0)))  # not a decay
-    # at the edge of the range (15 rows summing to -79.5, then a steeper step): forward and every
+    # at the edge of the range (15 rows summing to -74.85, then a -70 step): forward and every
     # gradient still match (the backward's column forms take their reference at a sub-chunk's last row)
     t = jnp.arange(70)[None, :, None, None]
-    edge = jnp.where((t >= 1) & (t <= 15), -5.3, jnp.where(t == 16, -7.0, -0.01)) * jnp.ones_like(f)
+    edge = jnp.where((t >= 1) & (t <= 15), -4.99, jnp.where(t == 16, -70.0, -0.01)) * jnp.ones_like(f)
     assert bool(decay_in_range(edge))
     ge = _grads(lambda *a, **kw: kda_pallas(*a[:5], scale=32 ** -0.5, initial_state=a[7])[:2], (qn, kn, v, edge, beta,
                 a_log, dt_bias, h0), None, False, seed=4)
@@ -209,8 +210,16 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
         assert bool(np.isfinite(np.asarray(o)).all()) is finite, shift
     monkeypatch.setattr(api, "on_accelerator", lambda: True)  # a GPU, as far as "auto" is concerned
     assert api.resolve_impl("auto", api.pallas_safe_gate(True, -5.0)) == "pallas"
-    for fused, bound in ((True, None), (True, SAFE_LOG_DECAY - 1), (False, -5.0)):
+    assert api.pallas_safe_gate(True, SAFE_LOG_DECAY) and SAFE_LOG_DECAY == -5.0
+    for fused, bound in ((True, None), (True, SAFE_LOG_DECAY - 0.01), (True, 0.5), (False, -5.0)):
         assert api.resolve_impl("auto", api.pallas_safe_gate(fused, bound)) == "chunked", (fused, bound)
+    # shapes the kernels do not take (chunk 48, K = 24): "auto" runs the chunked path, no error
+    for chunk, dk in ((48, 32), (64, 24)):
+        xq, xk, xv, xf, xb, _, _, _ = make_inputs(7, 1, 40, 2, dk, dk)
+        xg = -0.5 * jax.random.uniform(jax.random.PRNGKey(3), xf.shape)
+        o, _ = kimi_delta_attention(l2_normalize(xq), l2_normalize(xk), xv, xg, xb, impl="auto", chunk_size=chunk)
+        ro, _ = kda_reference(l2_normalize(xq), l2_normalize(xk), xv, xg, xb, scale=dk ** -0.5)
+        assert rel_l2(o, ro) < 2e-5, (chunk, dk)
     # ... and "auto" with a gate not bounded by construction takes the kernels where the data allows
     # (here: interpret mode) and the chunked path elsewhere: right either way
     jaxpr = str(jax.make_jaxpr(lambda g: kimi_delta_attention(qn, kn, v, g, beta, impl="auto"))(-5.0 * u))

@@ -13,7 +13,7 @@ import importlib
 import jax
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.ops.kda.pallas_chunk import SAFE_LOG_DECAY, decay_in_range, supports
+from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 _MODULES = {
@@ -25,8 +25,8 @@ _MODULES = {
 
 def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
     """Whether the decay is bounded, by construction, inside the range the Pallas kernels represent
-    exactly: the fused safe gate with SAFE_LOG_DECAY <= lower bound <= 0 (Ling-3's is -5)."""
-    return fused_gate and lower_bound is not None and SAFE_LOG_DECAY <= lower_bound <= 0.0
+    exactly: the fused safe gate with SAFE_LOG_DECAY (-5) <= lower bound <= 0 (Ling-3's is -5)."""
+    return fused_gate and bounded_gate(lower_bound)
 
 
 def on_accelerator() -> bool:

@@ -490,12 +490,12 @@ def kda_pallas(
     (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the [C, C]-level kernels, the [C, K]-level forward,
     the sequential kernels and the [C, K]-level backward); defaults per backend.
 
-    The kernels factor the in-chunk decays by 16-row sub-chunks, exact while the decay over the
-    last 15 rows of every sub-chunk stays above -`pallas_chunk.EXP_CAP` (-80), i.e. always for
-    per-step log decays >= `SAFE_LOG_DECAY` (-5.33), as the safe gate with `lower_bound` >= that
-    bound guarantees. For any other gate (a lower bound below it, the softplus gate, a precomputed
-    `g`) the condition is checked on the data and the outputs are NaN where it fails;
-    `kimi_delta_attention(impl="auto")` then runs the chunked path instead.
+    The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
+    and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
+    i.e. always for per-step log decays in [`SAFE_LOG_DECAY`, 0] = [-5, 0], as the safe gate with a
+    `lower_bound` in that interval guarantees. For any other gate (another bound, the softplus gate,
+    a precomputed `g`) the condition is checked on the data (`decay_in_range`) and the outputs are
+    NaN where it fails; `kimi_delta_attention(impl="auto")` then runs the chunked path instead.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -547,7 +547,7 @@ def kda_pallas(
         al = a_log.astype(F32).reshape(h, 1, 1)
         dtb = dt_bias.astype(F32).reshape(h, 1, dk)
     outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
-    if gate != "lb" or lower_bound < pc.SAFE_LOG_DECAY:  # not bounded by construction: NaN outside the range
+    if gate != "lb" or not pc.bounded_gate(lower_bound):  # not bounded by construction: NaN outside the range
         g_log = g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound)
         outs = jax.tree.map(lambda x: jnp.where(pc.decay_in_range(g_log), x, jnp.nan).astype(x.dtype), outs)
     o = outs[0]

@@ -37,21 +37,28 @@ F32 = jnp.float32
 BC = 16  # sub-chunk rows
 HI = lax.Precision.HIGHEST
 EXP_CAP = 80.0  # largest exponent a pairwise factor may take (exp(80) ~ 5.5e34; float32 overflows at ~88.7)
-# The smallest per-step log decay the sub-chunk factorisation represents exactly: inside a sub-chunk the
-# right factor reaches exp(-15 g). The safe gate (lower bound -5) stays inside it; a gate that does not
-# (the softplus gate, a precomputed g) is checked by `pallas.kda_pallas` and falls back to "chunked"
-# under impl="auto".
-SAFE_LOG_DECAY = -EXP_CAP / (BC - 1)
+# The data the sub-chunk factorisation represents exactly: every step's log decay, and the decay from a
+# sub-chunk's first row to its last, >= -EXP_RANGE. Inside a sub-chunk a factor reaches exp(-15 g); the
+# range keeps 5 below the cap so that a factor times a small q/k entry stays a normal float (flushed
+# subnormals lost terms at the cap), and bounds |G| in a chunk (its cumulative sum cancels).
+EXP_RANGE = 75.0
+SAFE_LOG_DECAY = -EXP_RANGE / (BC - 1)  # -5: a safe gate with a lower bound in [SAFE_LOG_DECAY, 0] always fits
+
+
+def bounded_gate(lower_bound: float | None) -> bool:
+    """Whether the safe gate with this lower bound keeps every decay in range by construction."""
+    return lower_bound is not None and SAFE_LOG_DECAY <= lower_bound <= 0.0
 
 
 def decay_in_range(g: jax.Array) -> jax.Array:
     """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K] (any chunk size):
-    g <= 0 (a decay), and inside every 16-row sub-chunk the decay from its first row to its last
-    (the largest exponent a factor takes) stays above -EXP_CAP."""
+    -EXP_RANGE <= g <= 0, and inside every 16-row sub-chunk the decay from its first row to its last
+    (the largest exponent a factor takes) is >= -EXP_RANGE."""
     b, t, h, dk = g.shape
     rows = -(-t // BC) * BC
     gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // BC, BC, h, dk)
-    return (jnp.max(gs) <= 0.0) & (jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_CAP)
+    return ((jnp.max(gs) <= 0.0) & (jnp.min(gs) >= -EXP_RANGE)
+            & (jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_RANGE))
 
 
 def supports(chunk: int, dk: int, dv: int) -> bool:
