@@ -17,10 +17,10 @@ import jax.numpy as jnp
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
-from ling_jax.ops.kda.api import pallas_safe_gate, resolve_impl
+from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.ops.kda.pallas_chunk import supports
+from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
 
 
@@ -66,8 +66,8 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
 
     # g is the config's gate, fused (a_log given) or precomputed by `kda_gate` with the same bound
-    impl = resolve_impl(cfg.kda_impl, pallas_safe_gate(True, cfg.kda_lower_bound),
-                        supports(64, cfg.head_dim, cfg.head_dim))
+    impl = resolve_impl(cfg.kda_impl, bounded_gate(cfg.kda_lower_bound),
+                        supports(DEFAULT_CHUNK, cfg.head_dim, cfg.head_dim))
 
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]

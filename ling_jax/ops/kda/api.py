@@ -16,6 +16,7 @@ from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
+DEFAULT_CHUNK = 64  # `chunk_size` of `kimi_delta_attention` unless given
 _MODULES = {
     "reference": ("ling_jax.ops.kda.reference", "kda_reference"),
     "chunked": ("ling_jax.ops.kda.chunked", "kda_chunked"),
@@ -56,7 +57,7 @@ def kimi_delta_attention(
     scale: float | None = None,
     initial_state: jax.Array | None = None,
     impl: str = "auto",
-    chunk_size: int = 64,
+    chunk_size: int = DEFAULT_CHUNK,
     segment_ids: jax.Array | None = None,
     return_chunk_states: bool = False,
     use_qk_l2norm: bool = False,

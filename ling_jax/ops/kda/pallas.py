@@ -548,8 +548,8 @@ def kda_pallas(
         dtb = dt_bias.astype(F32).reshape(h, 1, dk)
     outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
     if gate != "lb" or not pc.bounded_gate(lower_bound):  # not bounded by construction: NaN outside the range
-        g_log = g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound)
-        outs = jax.tree.map(lambda x: jnp.where(pc.decay_in_range(g_log), x, jnp.nan).astype(x.dtype), outs)
+        in_range = pc.decay_in_range(g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound))
+        outs = jax.tree.map(lambda x: jnp.where(in_range, x, jnp.nan).astype(x.dtype), outs)
     o = outs[0]
     if cfg.layout == "bhtd":
         o = jnp.swapaxes(o, 1, 2)
