@@ -156,12 +156,16 @@ def _k_bwd_intra(kp, cfg, *a):
     return kp._bwd_intra(cfg, a[0], (), *a[1:])
 
 
-def _k_bwd_main(kp, cfg, *a):
-    return kp._bwd_main(cfg, *a[:6], (), *a[6:])
+def _k_bwd_dqkg(kp, cfg, *a):
+    return kp._bwd_dqkg(cfg, *a[:6], (), a[6:8], *a[8:])
+
+
+def _k_bwd_pairs(kp, cfg, *a):
+    return kp._bwd_pairs(cfg, *a[:6], (), a[6:8], *a[8:])
 
 
 def per_kernel(args) -> None:
-    """Times each of the six launches alone (bf16, default parameters; with --block-k / --warps /
+    """Times each of the seven launches alone (bf16, default parameters; with --block-k / --warps /
     --stages also the chunk-parallel ones at those settings): where the time goes."""
     import jax
     import jax.numpy as jnp
@@ -177,7 +181,8 @@ def per_kernel(args) -> None:
     for h in args.heads:
         cfg = kp.Cfg(backend="triton", interpret=interp, chunk=64, t_valid=t, n_chunks=t // 64, dk=kd, dv=kd,
                      scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
-                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 32))
+                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 32),
+                     bk_kv=min(kd, 64))
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
@@ -197,28 +202,33 @@ def per_kernel(args) -> None:
         dh, dvn, dh0 = f_bstate(qg, w, kg, aqk, gam, do, ht)
         f_bintra = jax.jit(functools.partial(_k_bwd_intra, kp, cfg))
         x, y, dbp, dv = f_bintra(beta, v, do, vn, dvn, mmat, at)
-        f_bmain = jax.jit(functools.partial(_k_bwd_main, kp, cfg))
-        f_bmain(q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
+        norms = (kp._inv_norm(q), kp._inv_norm(k))
+        a_dqkg = (q, k, g, beta, al, dtb, *norms, do, vn, dvn, hs, dh, mmat)
+        f_dqkg = jax.jit(functools.partial(_k_bwd_dqkg, kp, cfg))
+        dqp, dkp, dgp, _ = f_dqkg(*a_dqkg)
+        f_bpairs = jax.jit(functools.partial(_k_bwd_pairs, kp, cfg))
         a_pairs = (q, k, g, beta, al, dtb)
         a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
-        a_bmain = (q, k, g, beta, al, dtb, do, vn, dvn, hs, dh, mmat, x, y, dbp)
+        a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
         cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_pairs_storing_at", f_pairs_st, a_pairs),
                  ("fwd_wu", f_wu, a_wu), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
                  ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
                  ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
-                 ("bwd_intra", f_bintra, a_bintra), ("bwd_main", f_bmain, a_bmain)]
+                 ("bwd_intra", f_bintra, a_bintra), ("bwd_dqkg", f_dqkg, a_dqkg),
+                 ("bwd_pairs", f_bpairs, a_bpairs)]
         for bk, warps, stages in itertools.product(args.block_k or [cfg.bk], args.warps, args.stages):
             # the chunk-parallel kernels at other key blocks / warps / pipeline stages
             if bk == cfg.bk and warps is None and stages is None:
                 continue
-            var = dataclasses.replace(cfg, bk=bk, **({} if warps is None else {
-                "warps_pairs": warps, "warps_wu": warps, "warps_bwd": warps}),
+            var = dataclasses.replace(cfg, bk=bk, bk_kv=bk, **({} if warps is None else {
+                "warps_pairs": warps, "warps_wu": warps, "warps_dqkg": warps, "warps_bwd_pairs": warps}),
                 **({} if stages is None else {"stages_chunk": stages}))
             tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
             cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
                       (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
-                      (f"bwd_main_{tag}", jax.jit(functools.partial(_k_bwd_main, kp, var)), a_bmain)]
+                      (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd_dqkg, kp, var)), a_dqkg),
+                      (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_pairs, kp, var)), a_bpairs)]
             if warps is not None or stages is not None:  # bwd_intra has no key loop
                 cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
         res = {}
@@ -394,8 +404,7 @@ def main() -> None:
     variant_list = [("default", {})]
     if args.variants:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
-                         ("warps_4_4_4_4", {"num_warps": (4, 4, 4, 4)}),
-                         ("warps_8_8_4_8", {"num_warps": (8, 8, 4, 8)}),
+                         ("warps_8_8_4_8_8", {"num_warps": (8, 8, 4, 8, 8)}),
                          ("bvb128", {"block_v_bwd": 128}), ("bk64", {"block_k": 64}),
                          ("bk128", {"block_k": 128})]
     inputs_by_h = {}

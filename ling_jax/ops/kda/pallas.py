@@ -1,18 +1,23 @@
 """`kda_pallas`: chunked KDA as Pallas kernels, GPU (Triton) and TPU (Mosaic) lowerings.
 
 Forward, three launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
-blocks of `Cfg.bk` key columns):
+blocks of key columns, `Cfg.bk` for the pairwise products, `Cfg.bk_kv` for the [C, K]-only work):
   1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At,
      Aqk, the triangular inverse M; writes Aqk, M (and At for the backward), [C, C] per chunk.
   2. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
   3. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
      chip for the whole sequence; per chunk V' = U - W S, O = Qg S + Aqk V', S <- gamma S + Kg^T V'.
-Backward, three launches (`jax.custom_vjp`; the residuals are the forward's per-chunk products, M,
+Backward, four launches (`jax.custom_vjp`; the residuals are the forward's per-chunk products, M,
 At and the chunk states):
   4. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
   5. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
-  6. `bwd_main` (chunk-parallel, [C, K] level): dq, dk, d(gate input), dbeta, and per-chunk sums for
-     a_log/dt_bias; the L2 norm's backward is finished by one elementwise XLA pass.
+  6. `bwd_dqkg` (chunk-parallel, [C, K] level): the terms through the chunk states and W, Qg, Kg,
+     gamma: float32 partial dq, dk, dG and the final dbeta.
+  7. `bwd_pairs` (chunk-parallel, [C, K] level): adds the pairwise forms, reverse cumulative sum and
+     gate: dq, dk, d(gate input) and per-chunk sums for a_log/dt_bias; the L2 norm's backward is
+     finished by one elementwise XLA pass.
+  (6 and 7 are one computation split in two launches: together their registers limited a program to
+  one per SM, with spills.)
 
 On GPU the kernels lower through Triton (`pl.pallas_call` + `pltriton.CompilerParams`); on TPU through
 Mosaic (`pltpu.CompilerParams`, sequential kernels as an "arbitrary" grid axis with a VMEM state);
@@ -37,19 +42,22 @@ F32 = jnp.float32
 Cfg = pc.Cfg
 
 
-def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False):
+def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
+                     key_blocks: bool = False):
     if cfg.backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
         return pltriton.CompilerParams(num_warps=warps, num_stages=stages if stages else 1)
     from jax.experimental.pallas import tpu as pltpu
 
-    sem = ("parallel", "parallel", "parallel") + (("arbitrary",) if sequential else ())
+    sem = ("parallel",) * (4 if key_blocks else 3) + (("arbitrary",) if sequential else ())
     return pltpu.CompilerParams(dimension_semantics=sem)
 
 
 # ---------------------------------------------------------------------------------------------
-# block specs (chunk-parallel kernels: grid (B, H, NT))
+# block specs (chunk-parallel kernels: grid (B, H, NT); the backward's [C, K]-level kernels take one
+# block of key columns per program, grid (K / bk, B, H, NT): the key blocks of a chunk are adjacent in
+# launch order (Triton's fastest axis), so their shared [C, V] and [C, C] inputs are read from L2)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -58,6 +66,14 @@ def _tok(cfg: Cfg, d: int) -> pl.BlockSpec:
     if cfg.layout == "bthd":
         return pl.BlockSpec((None, c, None, d), lambda b, h, t: (b, t, h, 0))
     return pl.BlockSpec((None, None, c, d), lambda b, h, t: (b, h, t, 0))
+
+
+def _tok_kb(cfg: Cfg, d: int) -> pl.BlockSpec:
+    """[C, d] per token, the d-wide block numbered by the key-block grid axis."""
+    c = cfg.chunk
+    if cfg.layout == "bthd":
+        return pl.BlockSpec((None, c, None, d), lambda j, b, h, t: (b, t, h, j))
+    return pl.BlockSpec((None, None, c, d), lambda j, b, h, t: (b, h, t, j))
 
 
 def _msk(cfg: Cfg) -> pl.BlockSpec:
@@ -71,8 +87,17 @@ def _chk(r: int, d: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, None, r, d), lambda b, h, t: (b, h, t, 0, 0))
 
 
+def _chk_kb(r: int, d: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, None, r, d), lambda j, b, h, t: (b, h, t, 0, j))
+
+
 def _head(d: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, 1, d), lambda b, h, t: (h, 0, 0))
+
+
+def _kb(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """A chunk-parallel spec for the key-block grid (the same block for every key block)."""
+    return pl.BlockSpec(spec.block_shape, lambda j, b, h, t: spec.index_map(b, h, t))
 
 
 def _tok_shape(cfg: Cfg, b: int, h: int, d: int) -> tuple[int, ...]:
@@ -80,8 +105,16 @@ def _tok_shape(cfg: Cfg, b: int, h: int, d: int) -> tuple[int, ...]:
     return (b, t, h, d) if cfg.layout == "bthd" else (b, h, t, d)
 
 
-def _input_specs(cfg: Cfg) -> list[pl.BlockSpec]:
-    specs = [_tok(cfg, cfg.dk), _tok(cfg, cfg.dk), _tok(cfg, cfg.dk), _tok(cfg, 1)]
+def _input_specs(cfg: Cfg, kb: int = 0) -> list[pl.BlockSpec]:
+    """q, k, g, beta [, a_log, dt_bias] [, segment masks]; `kb` > 0: for the key-block grid, one
+    block of kb key columns of q, k, g, dt_bias."""
+    if kb:
+        cols = _tok_kb(cfg, kb)
+        specs = [cols, cols, cols, _kb(_tok(cfg, 1))]
+        if cfg.gate is not None:
+            specs += [_kb(_head(1)), pl.BlockSpec((None, 1, kb), lambda j, b, h, t: (h, 0, j))]
+        return specs + [_kb(_msk(cfg))] * (3 if cfg.segments else 0)
+    specs = [_tok(cfg, cfg.dk)] * 3 + [_tok(cfg, 1)]
     if cfg.gate is not None:
         specs += [_head(1), _head(cfg.dk)]
     if cfg.segments:
@@ -343,35 +376,57 @@ def _bwd_intra(cfg: Cfg, beta, masks, v, do, vn, dvn, mmat, at):
     )(beta, *masks, v, do, vn, dvn, mmat, at)
 
 
-def _bwd_main(cfg: Cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs, dh, mm_, x, y, dbp):
+def _bwd_grid(cfg: Cfg, q: jax.Array, bk: int) -> tuple[int, int, int, int]:
     b, h = _num_heads(cfg, q)
-    c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
-    qk_dtype = F32 if cfg.l2norm else q.dtype  # with the norm: rq * dq_hat, finished in _core_bwd
-    out_shape = [
-        jax.ShapeDtypeStruct(q.shape, qk_dtype),
-        jax.ShapeDtypeStruct(k.shape, qk_dtype),
-        jax.ShapeDtypeStruct(g.shape, g.dtype),
-        jax.ShapeDtypeStruct(beta.shape, beta.dtype),
-    ]
-    out_specs = [_tok(cfg, dk), _tok(cfg, dk), _tok(cfg, dk), _tok(cfg, 1)]
-    if cfg.gate is not None:
-        out_shape += [jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32)] * 2
-        out_specs += [_chk(1, dk)] * 2
-    if cfg.l2norm:
-        out_shape += [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, 1), F32)] * 2
-        out_specs += [_tok(cfg, 1)] * 2
-    in_specs = [*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, dv), _tok(cfg, dv), _chk(dv, dk),
-                _chk(dv, dk), _tok(cfg, c), _tok(cfg, c), _tok(cfg, c), _tok(cfg, 1)]
+    return cfg.dk // bk, b, h, cfg.n_chunks
+
+
+def _bwd_dqkg(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs, dh, mm_):
+    """The state terms, one block of key columns per program: float32 partial dq_hat, dk_hat, dG
+    [.., K] and dbeta's share of every key block [.., K / bk]."""
+    bk = cfg.bk_kv
+    grid = _bwd_grid(cfg, q, bk)
+    c, dv = cfg.chunk, cfg.dv
+    out_shape = [jax.ShapeDtypeStruct(q.shape, F32)] * 3 + [jax.ShapeDtypeStruct((*beta.shape[:-1], grid[0]), F32)]
+    in_specs = [*_input_specs(cfg, kb=bk), *[_kb(_tok(cfg, 1))] * len(norms), *[_kb(_tok(cfg, dv))] * 3,
+                _chk_kb(dv, bk), _chk_kb(dv, bk), _kb(_tok(cfg, c))]
     return pl.pallas_call(
-        functools.partial(pc.bwd_main_kernel, cfg),
+        functools.partial(pc.bwd_dqkg_kernel, cfg),
         out_shape=out_shape,
-        grid=(b, h, nt),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=out_specs,
-        compiler_params=_compiler_params(cfg, cfg.warps_bwd, cfg.stages_chunk),
+        out_specs=[_tok_kb(cfg, bk)] * 3 + [_tok_kb(cfg, 1)],
+        compiler_params=_compiler_params(cfg, cfg.warps_dqkg, cfg.stages_chunk, key_blocks=True),
         interpret=cfg.interpret,
-        name="kda_bwd_main",
-    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), do, vn, dvn, hs, dh, mm_, x, y, dbp)
+        name="kda_bwd_dqkg",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), *norms, do, vn, dvn, hs, dh, mm_)
+
+
+def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp, dgp):
+    """The pairwise terms on top of `_bwd_dqkg`'s, one block of key columns per program: dq, dk
+    (with the norm: rq * dq_hat in float32, finished in `_core_bwd`), dg [, a_log / dt_bias
+    per-chunk partial sums]."""
+    bk = cfg.bk
+    grid = _bwd_grid(cfg, q, bk)
+    c, dk = cfg.chunk, cfg.dk
+    qk_dtype = F32 if cfg.l2norm else q.dtype
+    out_shape = [jax.ShapeDtypeStruct(q.shape, qk_dtype), jax.ShapeDtypeStruct(k.shape, qk_dtype),
+                 jax.ShapeDtypeStruct(g.shape, g.dtype)]
+    out_specs = [_tok_kb(cfg, bk)] * 3
+    if cfg.gate is not None:
+        out_shape += [jax.ShapeDtypeStruct((grid[1], grid[2], grid[3], 1, dk), F32)] * 2
+        out_specs += [_chk_kb(1, bk)] * 2
+    return pl.pallas_call(
+        functools.partial(pc.bwd_pairs_kernel, cfg),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[*_input_specs(cfg, kb=bk), *[_kb(_tok(cfg, 1))] * len(norms), *[_kb(_tok(cfg, c))] * 2,
+                  *[_tok_kb(cfg, bk)] * 3],
+        out_specs=out_specs,
+        compiler_params=_compiler_params(cfg, cfg.warps_bwd_pairs, cfg.stages_chunk, key_blocks=True),
+        interpret=cfg.interpret,
+        name="kda_bwd_pairs",
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), *norms, x, y, dqp, dkp, dgp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +457,18 @@ def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, mas
     return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
 
 
+def _inv_norm(x: jax.Array) -> jax.Array:
+    """1 / ||x|| over the last axis, [.., 1] float32 (the kernels' `pallas_chunk.inv_norms`)."""
+    xf = x.astype(F32)
+    return jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)
+
+
+def _norm_bwd(x: jax.Array, r: jax.Array, rdxh: jax.Array) -> jax.Array:
+    """dx = r dx_hat - x r^2 sum(x_hat dx_hat) = rdxh - x r^2 sum(x rdxh), from rdxh = r dx_hat."""
+    xf = x.astype(F32)
+    return (rdxh - xf * (r * r) * jnp.sum(xf * rdxh, axis=-1, keepdims=True)).astype(x.dtype)
+
+
 def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
     q, k, v, g, beta, a_log, dt, masks, w, qg, kg, aqk, gam, mmat, at, hs, vn = res
     do, dht = cts[0], cts[1]
@@ -410,14 +477,17 @@ def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
     do = do.astype(cd)
     dh, dvn, dh0 = _bwd_state(cfg, qg, w, kg, aqk, gam, do, dht.astype(F32), dcs)
     x, y, dbp, dv = _bwd_intra(cfg, beta, masks, v, do, vn, dvn, mmat, at)
-    outs = _bwd_main(cfg, q, k, g, beta, a_log, dt, masks, do, vn, dvn, hs.astype(cd), dh, mmat, x, y, dbp)
-    dq, dk, dg, dbeta = outs[:4]
-    if cfg.l2norm:  # the L2 norm's backward: its per-row sums span every key block
-        cq, ck = outs[-2:]
-        dq = (dq - q.astype(F32) * cq).astype(q.dtype)
-        dk = (dk - k.astype(F32) * ck).astype(k.dtype)
+    norms = (_inv_norm(q), _inv_norm(k)) if cfg.l2norm else ()
+    dqp, dkp, dgp, dbk = _bwd_dqkg(cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs.astype(cd), dh,
+                                   mmat)
+    dbeta = (dbp + jnp.sum(dbk, axis=-1, keepdims=True)).astype(beta.dtype)
+    outs = _bwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp, dgp)
+    dq, dk, dg = outs[:3]
+    if cfg.l2norm:  # the L2 norm's backward, from the kernels' r * d(x_hat): x_hat = r x, r = 1 / ||x||
+        dq = _norm_bwd(q, norms[0], dq)
+        dk = _norm_bwd(k, norms[1], dk)
     if cfg.gate is not None:
-        pa, pb = outs[4:6]
+        pa, pb = outs[3:5]
         da_log = jnp.sum(pa, axis=(0, 2, 3, 4)).reshape(a_log.shape).astype(a_log.dtype)
         ddt = jnp.sum(pb, axis=(0, 2)).reshape(dt.shape).astype(dt.dtype)
     else:
@@ -477,8 +547,9 @@ def kda_pallas(
     interpret: bool | None = None,
     block_v: int | None = None,
     block_v_bwd: int | None = None,
-    num_warps: tuple[int, int, int, int] | None = None,
+    num_warps: tuple[int, int, int, int, int] | None = None,
     block_k: int | None = None,
+    block_k_kv: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
 
@@ -486,9 +557,9 @@ def kda_pallas(
     and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
-    `block_v` / `block_v_bwd` / `block_k` / `num_warps`: tile sizes and warps of the kernels
-    (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`; warps of the [C, C]-level kernels, the [C, K]-level forward,
-    the sequential kernels and the [C, K]-level backward); defaults per backend.
+    `block_v` / `block_v_bwd` / `block_k` / `block_k_kv` / `num_warps`: tile sizes and warps of the
+    kernels (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`; warps of the [C, C]-level kernels, the
+    [C, K]-level forward, the sequential kernels, `bwd_dqkg` and `bwd_pairs`); defaults per backend.
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
@@ -515,13 +586,16 @@ def kda_pallas(
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
-    warps = num_warps or (4, 4, 4, 8)
+    warps = num_warps or (4, 4, 4, 4, 4)
+    if len(warps) != 5:
+        raise ValueError(f"num_warps takes 5 entries (pairs, wu, state, dqkg, bwd_pairs), got {warps}")
     bk = block_k or min(dk, 32 if backend == "triton" else dk)
+    bk_kv = block_k_kv or min(dk, 64 if backend == "triton" else dk)
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, bk=bk, warps_pairs=warps[0], warps_wu=warps[1], warps_state=warps[2],
-              warps_bwd=warps[3])
+              bv_bwd=bvb, bk=bk, bk_kv=bk_kv, warps_pairs=warps[0], warps_wu=warps[1], warps_state=warps[2],
+              warps_dqkg=warps[3], warps_bwd_pairs=warps[4])
 
     def pad_t(x):
         if t_pad == t:

@@ -86,17 +86,20 @@ class Cfg:
     hd: str  # dtype of the stored per-chunk states
     bv: int  # value columns per program of the sequential kernels
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
-    bk: int  # key columns per step of the K loops of the chunk-parallel kernels (dk: one step)
+    bk: int  # key columns per step of the pairwise kernels' K loops / per bwd_pairs program (dk: one)
+    bk_kv: int  # key columns per step of fwd_wu's K loop / per bwd_dqkg program (no [C, C] work per block)
     warps_pairs: int = 4  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
     warps_wu: int = 4  # fwd_wu
     warps_state: int = 4  # the sequential kernels
-    warps_bwd: int = 8  # bwd_main
+    warps_dqkg: int = 4  # bwd_dqkg
+    warps_bwd_pairs: int = 4  # bwd_pairs
     stages_state: int = 2
     stages_chunk: int = 1  # software-pipelining stages of the chunk-parallel kernels' column loops
 
     def __post_init__(self) -> None:
-        if self.bk > self.dk or self.dk % self.bk:
-            raise ValueError(f"key block bk={self.bk} must divide K={self.dk}")
+        for name in ("bk", "bk_kv"):
+            if getattr(self, name) > self.dk or self.dk % getattr(self, name):
+                raise ValueError(f"key block {name}={getattr(self, name)} must divide K={self.dk}")
         if self.chunk % BC:
             raise ValueError(f"chunk={self.chunk} must be a multiple of {BC}")
 
@@ -405,8 +408,9 @@ def inv_norms(cfg: Cfg, ins) -> tuple[jax.Array, jax.Array]:
     return lax.rsqrt(sq + 1e-6), lax.rsqrt(sk + 1e-6)
 
 
-def _chunk_index(cfg: Cfg):
-    return pl_program_id(2)
+def _chunk_index(key_grid: bool = False):
+    """The chunk's grid index: grid (B, H, NT), or (K / bk, B, H, NT) for one key block per program."""
+    return pl_program_id(3 if key_grid else 2)
 
 
 def pl_program_id(axis: int):
@@ -435,7 +439,7 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
     keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
     n, c = cfg.chunk // BC, cfg.chunk
-    ci = _chunk_index(cfg)
+    ci = _chunk_index()
     rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     zero_rows = [jnp.zeros((BC, c), F32)] * n
 
@@ -497,7 +501,7 @@ def fwd_wu_kernel(cfg: Cfg, *refs):
     rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     beta = ins[3][...].astype(F32)
     coef = beta if m is None else beta * m
-    ci = _chunk_index(cfg)
+    ci = _chunk_index()
 
     def key_block(cols, carry):
         p = block_prep(cfg, ins, ci, cols, rq, rk)
@@ -521,8 +525,8 @@ def fwd_wu_kernel(cfg: Cfg, *refs):
         u_ref[:, cols] = mm(cfg, mm_ref[...], beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
         return carry
 
-    kloop(cfg, cfg.dk, cfg.bk, key_block, None)
-    kloop(cfg, cfg.dv, min(cfg.bk, cfg.dv), value_block, None)
+    kloop(cfg, cfg.dk, cfg.bk_kv, key_block, None)
+    kloop(cfg, cfg.dv, min(cfg.bk_kv, cfg.dv), value_block, None)
 
 
 def bwd_intra_kernel(cfg: Cfg, *refs):
@@ -569,109 +573,116 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
     dbeta_ref[...] = dbeta
 
 
-def bwd_main_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel backward, part 2: the [C, K] level, ending in dq, dk, dg (raw gate), dbeta.
+def _bwd_norms(cfg: Cfg, refs: list, i: int) -> tuple[jax.Array | None, jax.Array | None, int]:
+    """The backward kernels' 1 / ||q||, 1 / ||k|| [C, 1] inputs (computed once, in XLA)."""
+    if not cfg.l2norm:
+        return None, None, i
+    return refs[i][...], refs[i + 1][...], i + 2
 
-    One loop over blocks of `cfg.bk` key columns (all of this is per key channel): per block, a loop
-    over value blocks of the chunk's state S^T and its gradient dS^T ([V, K], v-first) with dO, V',
-    dV' forms dQg = dO S^T, dKg = V' dS^T, dW = -dV' S^T and d gamma; then the chain through
-    W = M B_w, Qg, Kg, gamma, the two pairwise exp(G_i - G_j) forms (X, Y from part 1, sub-chunk
-    factorised), the reverse cumulative sum and the gate. The L2 norm's backward needs a sum over
-    all key columns: with the norm, dq/dk are written as rq * dq_hat (float32) together with the
-    per-row coefficients rq^2 sum(q_hat * dq_hat), and `pallas._core_bwd` finishes
-    dq = rq dq_hat - q * coef (likewise dk) in one elementwise pass.
+
+def bwd_dqkg_kernel(cfg: Cfg, *refs):
+    """Chunk-parallel backward, part 2: the terms through the chunk states, [C, bk] level, one block
+    of key columns per program (all of this is per key channel).
+
+    A loop over value blocks of the chunk's state S^T and its gradient dS^T ([V, bk], v-first) with
+    dO, V', dV' forms dQg = dO S^T, dKg = V' dS^T, dW = -dV' S^T and d gamma, then chains them
+    through W = M B_w, Qg, Kg and gamma. Writes the float32 partial gradients of the normalised q, k
+    and of the cumulative log decay G (part 3 adds the pairwise forms) and this block's share of
+    dbeta.
     """
-    ins, i = _unpack_inputs(cfg, list(refs))
-    do_ref, vn_ref, dvn_ref, h_ref, dh_ref, m2_ref, x_ref, y_ref, dbp_ref = refs[i:i + 9]
-    outs = refs[i + 9:]
-    dq_ref, dk_ref, dg_ref, dbeta_ref = outs[:4]
-    n, c, bk = cfg.chunk // BC, cfg.chunk, cfg.bk
+    refs = list(refs)
+    ins, i = _unpack_inputs(cfg, refs)
+    rq, rk, i = _bwd_norms(cfg, refs, i)
+    do_ref, vn_ref, dvn_ref, h_ref, dh_ref, m2_ref = refs[i:i + 6]
+    dqp_ref, dkp_ref, dGp_ref, dbeta_ref = refs[i + 6:i + 10]
+    c, bk = cfg.chunk, cfg.bk_kv
     m, e, _ = _masks(cfg, ins)
-    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
-    zero_col = jnp.zeros((c, 1), F32)
-    ci = _chunk_index(cfg)
+    p = block_prep(cfg, ins, _chunk_index(key_grid=True), slice(None), rq, rk)
 
-    def value_block(cols):
-        def step(vc, acc):
-            dqg, dkg, dw, dgam = acc
-            ht = h_ref[vc, cols]
-            dht = dh_ref[vc, cols]
-            return (dqg + mm(cfg, do_ref[:, vc], ht), dkg + mm(cfg, vn_ref[:, vc], dht),
-                    dw - mm(cfg, dvn_ref[:, vc], ht),
-                    dgam + jnp.sum(ht.astype(F32) * dht.astype(F32), axis=0, keepdims=True))
+    def step(vc, acc):
+        dqg, dkg, dw, dgam = acc
+        ht = h_ref[vc, :]
+        dht = dh_ref[vc, :]
+        return (dqg + mm(cfg, do_ref[:, vc], ht), dkg + mm(cfg, vn_ref[:, vc], dht),
+                dw - mm(cfg, dvn_ref[:, vc], ht),
+                dgam + jnp.sum(ht.astype(F32) * dht.astype(F32), axis=0, keepdims=True))
 
-        z = jnp.zeros((c, bk), F32)
-        return kloop(cfg, cfg.dv, cfg.bv_bwd, step, (z, z, z, jnp.zeros((1, bk), F32)))
+    z = jnp.zeros((c, bk), F32)
+    dqg, dkg, dw, dgam = kloop(cfg, cfg.dv, cfg.bv_bwd, step, (z, z, z, jnp.zeros((1, bk), F32)))
+    dbw = mm_tn(cfg, m2_ref[...], dw, "mid")
+    G = cumsum_rows(cfg, p.g)
+    G_last = row(G, c - 1)
+    mg = jnp.exp(G)
+    if m is not None:
+        mg = mg * m
+    dqh = (cfg.scale * mg) * dqg
+    t = (p.beta * mg) * dbw
+    kappa = jnp.exp(G_last - G)
+    if e is not None:
+        kappa = kappa * e
+    z = dkg * p.k * kappa
+    gl = jnp.exp(G_last)
+    if m is not None:
+        gl = gl * row(m, c - 1)
+    last = jnp.sum(z, axis=0, keepdims=True) + dgam * gl
+    dqp_ref[...] = dqh
+    dkp_ref[...] = t + dkg * kappa
+    dGp_ref[...] = dqh * p.q + t * p.k - z + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
+    dbeta_ref[...] = jnp.sum(dbw * mg * p.k, axis=1, keepdims=True)
 
-    def key_block(cols, carry):
-        dbeta, sq, sk = carry
-        p = block_prep(cfg, ins, ci, cols, rq, rk)
-        d = decay(cfg, p.g, columns=True)
-        dqg, dkg, dw, dgam = value_block(cols)
-        dbw = mm_tn(cfg, m2_ref[...], dw, "mid")  # M loaded where used: fewer live registers
-        gam = jnp.exp(d.G)
-        qh, kh = p.q, p.k
-        mg = gam if m is None else gam * m
-        dqh = (cfg.scale * mg) * dqg
-        dG = dqh * qh
-        t = (p.beta * mg) * dbw
-        dG = dG + t * kh
-        dbeta = dbeta + jnp.sum(dbw * mg * kh, axis=1, keepdims=True)
-        kappa = jnp.exp(d.G_last - d.G)
-        if e is not None:
-            kappa = kappa * e
-        dkh = t + dkg * kappa
-        z = dkg * kh * kappa
-        dG = dG - z
-        gl = jnp.exp(d.G_last)
-        if m is not None:
-            gl = gl * row(m, c - 1)
-        last = jnp.sum(z, axis=0, keepdims=True) + dgam * gl
-        dG = dG + jnp.where(iota((c, 1), 0) == c - 1, last, 0.0)
-        # the pairwise forms X (Aqk, q on the left) and Y (At, k on the left), masked [C, C] from part
-        # 1: by rows of sub-chunk a (X_a: [16, C] times k exp(r_a - G)) and by columns of
-        # sub-chunk b (X_:b^T: [16, C] times q exp(G - s_b)).
-        rx, ry, cx, cy = [], [], [], []
-        for a in range(n):
-            rhs = kh * right_factor(d, a)
-            rows = slice(a * BC, (a + 1) * BC)
-            rx.append(mm(cfg, x_ref[rows, :], rhs, "mid"))
-            ry.append(mm(cfg, y_ref[rows, :], rhs, "mid"))
-        for b in range(n):
-            fac = left_factor(d, b)
-            cols_b = slice(b * BC, (b + 1) * BC)
-            cx.append(mm_tn(cfg, x_ref[:, cols_b], qh * fac, "mid"))
-            cy.append(mm_tn(cfg, y_ref[:, cols_b], kh * fac, "mid"))
-        RX, RY = d.E * stack_rows(rx), d.E * stack_rows(ry)
-        CX, CY = d.Fs * stack_rows(cx), d.Fs * stack_rows(cy)
-        dqh = dqh + RX
-        dkh = dkh + RY + CX + CY
-        dG = dG + qh * RX + kh * (RY - CX - CY)
-        dg = revcumsum_rows(cfg, dG)
-        if p.valid is not None:
-            dg = jnp.where(p.valid, dg, 0.0)
-        if cfg.gate is not None:
-            pa_ref, pb_ref = outs[4:6]
-            dgraw = dg * p.dg_dx
-            pa_ref[:, cols] = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
-            pb_ref[:, cols] = jnp.sum(dgraw, axis=0, keepdims=True)
-        else:
-            dgraw = dg
-        if cfg.l2norm:
-            sq = sq + jnp.sum(qh * dqh, axis=1, keepdims=True)
-            sk = sk + jnp.sum(kh * dkh, axis=1, keepdims=True)
-            dqh, dkh = rq * dqh, rk * dkh
-        dq_ref[:, cols] = dqh.astype(dq_ref.dtype)
-        dk_ref[:, cols] = dkh.astype(dk_ref.dtype)
-        dg_ref[:, cols] = dgraw.astype(dg_ref.dtype)
-        return dbeta, sq, sk
 
-    dbeta, sq, sk = kloop(cfg, cfg.dk, bk, key_block, (dbp_ref[...], zero_col, zero_col))
-    dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
+def bwd_pairs_kernel(cfg: Cfg, *refs):
+    """Chunk-parallel backward, part 3: the pairwise forms, the reverse cumulative sum and the gate,
+    one block of key columns per program, ending in dq, dk, dg (raw gate input) and the per-chunk
+    sums for a_log / dt_bias.
+
+    The pairwise exp(G_i - G_j) forms of X (Aqk, q on the left) and Y (At, k on the left), the
+    masked [C, C] gradients from part 1, sub-chunk factorised - by rows of sub-chunk a (X_a: [16, C]
+    times k exp(r_a - G)) and by columns of sub-chunk b (X_:b^T: [16, C] times q exp(G - s_b)) - are
+    added to part 2's partial gradients. With the L2 norm, dq/dk are written as rq * dq_hat (float32)
+    and `pallas._core_bwd` finishes the norm's backward (its per-row sums span every key block).
+    """
+    refs = list(refs)
+    ins, i = _unpack_inputs(cfg, refs)
+    rq, rk, i = _bwd_norms(cfg, refs, i)
+    x_ref, y_ref, dqp_ref, dkp_ref, dGp_ref = refs[i:i + 5]
+    outs = refs[i + 5:]
+    dq_ref, dk_ref, dg_ref = outs[:3]
+    n = cfg.chunk // BC
+    p = block_prep(cfg, ins, _chunk_index(key_grid=True), slice(None), rq, rk)
+    d = decay(cfg, p.g, columns=True)
+    qh, kh = p.q, p.k
+    rx, ry, cx, cy = [], [], [], []
+    for a in range(n):
+        rhs = kh * right_factor(d, a)
+        rows = slice(a * BC, (a + 1) * BC)
+        rx.append(mm(cfg, x_ref[rows, :], rhs, "mid"))
+        ry.append(mm(cfg, y_ref[rows, :], rhs, "mid"))
+    for b in range(n):
+        fac = left_factor(d, b)
+        cols_b = slice(b * BC, (b + 1) * BC)
+        cx.append(mm_tn(cfg, x_ref[:, cols_b], qh * fac, "mid"))
+        cy.append(mm_tn(cfg, y_ref[:, cols_b], kh * fac, "mid"))
+    RX, RY = d.E * stack_rows(rx), d.E * stack_rows(ry)
+    CX, CY = d.Fs * stack_rows(cx), d.Fs * stack_rows(cy)
+    dqh = dqp_ref[...] + RX
+    dkh = dkp_ref[...] + RY + CX + CY
+    dG = dGp_ref[...] + qh * RX + kh * (RY - CX - CY)
+    dg = revcumsum_rows(cfg, dG)
+    if p.valid is not None:
+        dg = jnp.where(p.valid, dg, 0.0)
+    if cfg.gate is not None:
+        pa_ref, pb_ref = outs[3:5]
+        dgraw = dg * p.dg_dx
+        pa_ref[...] = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
+        pb_ref[...] = jnp.sum(dgraw, axis=0, keepdims=True)
+    else:
+        dgraw = dg
     if cfg.l2norm:
-        cq_ref, ck_ref = outs[-2:]
-        cq_ref[...] = rq * rq * sq
-        ck_ref[...] = rk * rk * sk
+        dqh, dkh = rq * dqh, rk * dkh
+    dq_ref[...] = dqh.astype(dq_ref.dtype)
+    dk_ref[...] = dkh.astype(dk_ref.dtype)
+    dg_ref[...] = dgraw.astype(dg_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
