@@ -343,6 +343,14 @@ def _export_fwd_and_grad(backend: str, platform: str, **kw):
         assert exp.mlir_module()
 
 
+def test_bad_tile_settings_are_refused():
+    x = make_inputs(3, 1, 16, 1, 32, 32)
+    with pytest.raises(ValueError, match="num_warps keys"):
+        pallas(*x, num_warps={"bwd_main": 8})
+    with pytest.raises(ValueError, match="bk_kv=24 must divide K=32"):
+        pallas(*x, block_k_kv=24)
+
+
 @pytest.mark.parametrize("block_k", [None, 128])
 def test_triton_lowering(h200_lowering, block_k):
     """Default key blocks (32 of K = 128: the `scf.for` loops) and one block."""

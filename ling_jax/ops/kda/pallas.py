@@ -1,22 +1,23 @@
 """`kda_pallas`: chunked KDA as Pallas kernels, GPU (Triton) and TPU (Mosaic) lowerings.
 
-Forward, three launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
+Forward, four launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
 blocks of key columns, `Cfg.bk` for the pairwise products, `Cfg.bk_kv` for the [C, K]-only work):
-  1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At,
-     Aqk, the triangular inverse M; writes Aqk, M (and At for the backward), [C, C] per chunk.
-  2. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
-  3. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
+  1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At
+     and Aqk, [C, C] per chunk (At is also a residual of the backward).
+  2. `fwd_solve` (chunk-parallel): the triangular inverse M = (I + diag(beta) At)^-1.
+  3. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
+  4. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
      chip for the whole sequence; per chunk V' = U - W S, O = Qg S + Aqk V', S <- gamma S + Kg^T V'.
 Backward, four launches (`jax.custom_vjp`; the residuals are the forward's per-chunk products, M,
 At and the chunk states):
-  4. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
-  5. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
-  6. `bwd_dqkg` (chunk-parallel, [C, K] level): the terms through the chunk states and W, Qg, Kg,
+  5. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
+  6. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
+  7. `bwd_dqkg` (chunk-parallel, [C, K] level): the terms through the chunk states and W, Qg, Kg,
      gamma: float32 partial dq, dk, dG and the final dbeta.
-  7. `bwd_pairs` (chunk-parallel, [C, K] level): adds the pairwise forms, reverse cumulative sum and
+  8. `bwd_pairs` (chunk-parallel, [C, K] level): adds the pairwise forms, reverse cumulative sum and
      gate: dq, dk, d(gate input) and per-chunk sums for a_log/dt_bias; the L2 norm's backward is
      finished by one elementwise XLA pass.
-  (6 and 7 are one computation split in two launches: together their registers limited a program to
+  (7 and 8 are one computation split in two launches: together their registers limited a program to
   one per SM, with spills.)
 
 On GPU the kernels lower through Triton (`pl.pallas_call` + `pltriton.CompilerParams`); on TPU through
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,9 @@ from ling_jax.ops.kda.reference import segment_starts
 
 F32 = jnp.float32
 Cfg = pc.Cfg
+# warps per program of each kernel group on GPU (Cfg.warps_*): "pairs" (fwd_pairs, bwd_intra), "solve",
+# "wu", "state" (the sequential kernels), "dqkg", "bwd_pairs"
+WARPS = {"pairs": 4, "solve": 8, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
@@ -138,23 +143,38 @@ def _num_heads(cfg: Cfg, x: jax.Array) -> tuple[int, int]:
     return x.shape[0], x.shape[2] if cfg.layout == "bthd" else x.shape[1]
 
 
-def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
-    """Aqk (compute dtype), M (float32) [, At (float32) when `store_at`], [.., C] per token."""
+def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks):
+    """Aqk (compute dtype) and At (float32), [.., C] per token."""
     b, h = _num_heads(cfg, q)
     c = cfg.chunk
     out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), jnp.dtype(cfg.cd)),
                  jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32)]
-    out_shape += out_shape[1:] if store_at else []
     return pl.pallas_call(
-        functools.partial(pc.fwd_pairs_kernel, cfg, store_at),
+        functools.partial(pc.fwd_pairs_kernel, cfg),
         out_shape=out_shape,
         grid=(b, h, cfg.n_chunks),
         in_specs=_input_specs(cfg),
-        out_specs=[_tok(cfg, c)] * len(out_shape),
+        out_specs=[_tok(cfg, c)] * 2,
         compiler_params=_compiler_params(cfg, cfg.warps_pairs, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_pairs",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
+
+
+def _fwd_solve(cfg: Cfg, beta, at):
+    """M = (I + diag(beta) At)^-1 (float32), [.., C] per token."""
+    b, h = _num_heads(cfg, at)
+    c = cfg.chunk
+    return pl.pallas_call(
+        functools.partial(pc.fwd_solve_kernel, cfg),
+        out_shape=jax.ShapeDtypeStruct(at.shape, F32),
+        grid=(b, h, cfg.n_chunks),
+        in_specs=[_tok(cfg, 1), _tok(cfg, c)],
+        out_specs=_tok(cfg, c),
+        compiler_params=_compiler_params(cfg, cfg.warps_solve, cfg.stages_chunk),
+        interpret=cfg.interpret,
+        name="kda_fwd_solve",
+    )(beta, at)
 
 
 def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
@@ -437,10 +457,11 @@ def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp,
 def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states: bool, for_grad: bool):
     """The three forward launches; `states`: also the chunk states, `for_grad`: also the backward's
     residuals (At, the chunk states, V')."""
-    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
+    aqk, at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks)
+    mmat = _fwd_solve(cfg, beta, at)
     w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
     outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=states or for_grad, store_vn=for_grad)
-    return outs, (w, qg, kg, aqk, gam, mmat, *at)
+    return outs, (w, qg, kg, aqk, gam, mmat) + ((at,) if for_grad else ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -547,7 +568,7 @@ def kda_pallas(
     interpret: bool | None = None,
     block_v: int | None = None,
     block_v_bwd: int | None = None,
-    num_warps: tuple[int, int, int, int, int] | None = None,
+    num_warps: Mapping[str, int] | None = None,
     block_k: int | None = None,
     block_k_kv: int | None = None,
 ) -> tuple[jax.Array, ...]:
@@ -557,9 +578,9 @@ def kda_pallas(
     and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
-    `block_v` / `block_v_bwd` / `block_k` / `block_k_kv` / `num_warps`: tile sizes and warps of the
-    kernels (`Cfg.bv`, `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`; warps of the [C, C]-level kernels, the
-    [C, K]-level forward, the sequential kernels, `bwd_dqkg` and `bwd_pairs`); defaults per backend.
+    `block_v` / `block_v_bwd` / `block_k` / `block_k_kv`: tile sizes of the kernels (`Cfg.bv`,
+    `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend; `num_warps`: warps per program on GPU
+    by kernel group, overriding `WARPS` (e.g. {"solve": 4}).
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
@@ -586,16 +607,15 @@ def kda_pallas(
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
     bv = block_v or min(dv, 64 if backend == "triton" else 128)
     bvb = block_v_bwd or min(dv, 64)
-    warps = num_warps or (4, 4, 4, 4, 4)
-    if len(warps) != 5:
-        raise ValueError(f"num_warps takes 5 entries (pairs, wu, state, dqkg, bwd_pairs), got {warps}")
+    warps = {**WARPS, **(num_warps or {})}
+    if set(warps) != set(WARPS):
+        raise ValueError(f"num_warps keys are {sorted(WARPS)}, got {sorted(num_warps or {})}")
     bk = block_k or min(dk, 32 if backend == "triton" else dk)
     bk_kv = block_k_kv or min(dk, 64 if backend == "triton" else dk)
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, bk=bk, bk_kv=bk_kv, warps_pairs=warps[0], warps_wu=warps[1], warps_state=warps[2],
-              warps_dqkg=warps[3], warps_bwd_pairs=warps[4])
+              bv_bwd=bvb, bk=bk, bk_kv=bk_kv, **{f"warps_{name}": n for name, n in warps.items()})
 
     def pad_t(x):
         if t_pad == t:
