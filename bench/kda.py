@@ -136,8 +136,8 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _k_fwd_pairs(kp, cfg, *a):
-    return kp._fwd_pairs(cfg, *a, ())
+def _k_fwd_pairs(kp, cfg, store, *a):
+    return kp._fwd_pairs(cfg, *a, (), store)
 
 
 def _k_fwd_wu(kp, cfg, *a):
@@ -165,7 +165,7 @@ def _k_bwd_pairs(kp, cfg, *a):
 
 
 def per_kernel(args) -> None:
-    """Times each of the eight launches alone (bf16, default parameters; with --block-k / --warps /
+    """Times each of the seven launches alone (bf16, default parameters; with --block-k / --warps /
     --stages also the chunk-parallel ones at those settings): where the time goes."""
     import jax
     import jax.numpy as jnp
@@ -190,10 +190,9 @@ def per_kernel(args) -> None:
         al = 0.5 * jax.random.normal(ks[6], (h, 1, 1))
         dtb = jax.random.normal(ks[7], (h, 1, kd))
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
-        f_pairs = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg))
-        aqk, at = f_pairs(q, k, g, beta, al, dtb)
-        f_solve = jax.jit(functools.partial(kp._fwd_solve, cfg))
-        mmat = f_solve(beta, at)
+        f_pairs = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, False))
+        f_pairs_st = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, True))
+        aqk, mmat, at = f_pairs_st(q, k, g, beta, al, dtb)
         f_wu = jax.jit(functools.partial(_k_fwd_wu, kp, cfg))
         w, u, qg, kg, gam = f_wu(q, k, v, g, beta, al, dtb, mmat)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
@@ -212,7 +211,7 @@ def per_kernel(args) -> None:
         a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
-        cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_solve", f_solve, (beta, at)),
+        cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_pairs_storing_at", f_pairs_st, a_pairs),
                  ("fwd_wu", f_wu, a_wu), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
                  ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
                  ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
@@ -226,7 +225,7 @@ def per_kernel(args) -> None:
                 "warps_pairs": warps, "warps_wu": warps, "warps_dqkg": warps, "warps_bwd_pairs": warps}),
                 **({} if stages is None else {"stages_chunk": stages}))
             tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
-            cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var)), a_pairs),
+            cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
                       (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
                       (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd_dqkg, kp, var)), a_dqkg),
                       (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_pairs, kp, var)), a_bpairs)]

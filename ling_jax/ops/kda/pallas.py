@@ -1,23 +1,22 @@
 """`kda_pallas`: chunked KDA as Pallas kernels, GPU (Triton) and TPU (Mosaic) lowerings.
 
-Forward, four launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
+Forward, three launches (kernel bodies in `pallas_chunk.py`; the chunk-parallel kernels loop over
 blocks of key columns, `Cfg.bk` for the pairwise products, `Cfg.bk_kv` for the [C, K]-only work):
-  1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At
-     and Aqk, [C, C] per chunk (At is also a residual of the backward).
-  2. `fwd_solve` (chunk-parallel): the triangular inverse M = (I + diag(beta) At)^-1.
-  3. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
-  4. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
+  1. `fwd_pairs` (chunk-parallel, grid B x H x NT): gate, q/k L2 norm, in-chunk cumulative decay, At,
+     Aqk, the triangular inverse M; writes Aqk, M (and At for the backward), [C, C] per chunk.
+  2. `fwd_wu` (chunk-parallel): W, U, Qg, Kg, gamma from the inputs and M.
+  3. `fwd_state` (sequential over chunks, grid B x H x V/BV): the state S^T [BV, K] float32 stays on
      chip for the whole sequence; per chunk V' = U - W S, O = Qg S + Aqk V', S <- gamma S + Kg^T V'.
 Backward, four launches (`jax.custom_vjp`; the residuals are the forward's per-chunk products, M,
 At and the chunk states):
-  5. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
-  6. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
-  7. `bwd_dqkg` (chunk-parallel, [C, K] level): the terms through the chunk states and W, Qg, Kg,
+  4. `bwd_state` (sequential, reverse): dV' and the gradient of every chunk's state, dh0.
+  5. `bwd_intra` (chunk-parallel, [C, C] level): dAqk, dL = -M^T dV' V'^T, dv, part of dbeta.
+  6. `bwd_dqkg` (chunk-parallel, [C, K] level): the terms through the chunk states and W, Qg, Kg,
      gamma: float32 partial dq, dk, dG and the final dbeta.
-  8. `bwd_pairs` (chunk-parallel, [C, K] level): adds the pairwise forms, reverse cumulative sum and
+  7. `bwd_pairs` (chunk-parallel, [C, K] level): adds the pairwise forms, reverse cumulative sum and
      gate: dq, dk, d(gate input) and per-chunk sums for a_log/dt_bias; the L2 norm's backward is
      finished by one elementwise XLA pass.
-  (7 and 8 are one computation split in two launches: together their registers limited a program to
+  (6 and 7 are one computation split in two launches: together their registers limited a program to
   one per SM, with spills.)
 
 On GPU the kernels lower through Triton (`pl.pallas_call` + `pltriton.CompilerParams`); on TPU through
@@ -42,9 +41,9 @@ from ling_jax.ops.kda.reference import segment_starts
 
 F32 = jnp.float32
 Cfg = pc.Cfg
-# warps per program of each kernel group on GPU (Cfg.warps_*): "pairs" (fwd_pairs, bwd_intra), "solve",
-# "wu", "state" (the sequential kernels), "dqkg", "bwd_pairs"
-WARPS = {"pairs": 4, "solve": 8, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
+# warps per program of each kernel group on GPU (Cfg.warps_*): "pairs" (fwd_pairs, bwd_intra), "wu",
+# "state" (the sequential kernels), "dqkg", "bwd_pairs"
+WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
@@ -143,38 +142,23 @@ def _num_heads(cfg: Cfg, x: jax.Array) -> tuple[int, int]:
     return x.shape[0], x.shape[2] if cfg.layout == "bthd" else x.shape[1]
 
 
-def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks):
-    """Aqk (compute dtype) and At (float32), [.., C] per token."""
+def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
+    """Aqk (compute dtype), M (float32) [, At (float32) when `store_at`], [.., C] per token."""
     b, h = _num_heads(cfg, q)
     c = cfg.chunk
     out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), jnp.dtype(cfg.cd)),
                  jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32)]
+    out_shape += out_shape[1:] if store_at else []
     return pl.pallas_call(
-        functools.partial(pc.fwd_pairs_kernel, cfg),
+        functools.partial(pc.fwd_pairs_kernel, cfg, store_at),
         out_shape=out_shape,
         grid=(b, h, cfg.n_chunks),
         in_specs=_input_specs(cfg),
-        out_specs=[_tok(cfg, c)] * 2,
+        out_specs=[_tok(cfg, c)] * len(out_shape),
         compiler_params=_compiler_params(cfg, cfg.warps_pairs, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_pairs",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
-
-
-def _fwd_solve(cfg: Cfg, beta, at):
-    """M = (I + diag(beta) At)^-1 (float32), [.., C] per token."""
-    b, h = _num_heads(cfg, at)
-    c = cfg.chunk
-    return pl.pallas_call(
-        functools.partial(pc.fwd_solve_kernel, cfg),
-        out_shape=jax.ShapeDtypeStruct(at.shape, F32),
-        grid=(b, h, cfg.n_chunks),
-        in_specs=[_tok(cfg, 1), _tok(cfg, c)],
-        out_specs=_tok(cfg, c),
-        compiler_params=_compiler_params(cfg, cfg.warps_solve, cfg.stages_chunk),
-        interpret=cfg.interpret,
-        name="kda_fwd_solve",
-    )(beta, at)
 
 
 def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
@@ -457,11 +441,10 @@ def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp,
 def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states: bool, for_grad: bool):
     """The three forward launches; `states`: also the chunk states, `for_grad`: also the backward's
     residuals (At, the chunk states, V')."""
-    aqk, at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks)
-    mmat = _fwd_solve(cfg, beta, at)
+    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
     w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
     outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=states or for_grad, store_vn=for_grad)
-    return outs, (w, qg, kg, aqk, gam, mmat) + ((at,) if for_grad else ())
+    return outs, (w, qg, kg, aqk, gam, mmat, *at)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -580,7 +563,7 @@ def kda_pallas(
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
     `block_v` / `block_v_bwd` / `block_k` / `block_k_kv`: tile sizes of the kernels (`Cfg.bv`,
     `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend; `num_warps`: warps per program on GPU
-    by kernel group, overriding `WARPS` (e.g. {"solve": 4}).
+    by kernel group, overriding `WARPS` (e.g. {"dqkg": 8}).
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),

@@ -88,8 +88,7 @@ class Cfg:
     bv_bwd: int  # value columns per step of the V loops of the chunk-parallel backward kernels
     bk: int  # key columns per step of the pairwise kernels' K loops / per bwd_pairs program (dk: one)
     bk_kv: int  # key columns per step of fwd_wu's K loop / per bwd_dqkg program (no [C, C] work per block)
-    warps_pairs: int = 4  # fwd_pairs, bwd_intra
-    warps_solve: int = 8  # fwd_solve
+    warps_pairs: int = 4  # the [C, C]-level kernels (fwd_pairs, bwd_intra)
     warps_wu: int = 4  # fwd_wu
     warps_state: int = 4  # the sequential kernels
     warps_dqkg: int = 4  # bwd_dqkg
@@ -431,38 +430,34 @@ class Pairs:
 
 
 def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
-    """At (and Aqk) of one chunk, by sub-chunks of rows, each accumulated over blocks of `cfg.bk`
-    key columns.
+    """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
 
-    The L2 norms (they need every column) come first, from a load-only loop. Then for each sub-chunk
-    a, a loop over key blocks loads a [C, bk] column block of q, k and the gate input, computes the
-    gate and its in-chunk cumulative sum G for those channels (both are per channel) and adds the
-    block's share of rows a: (k_a exp(G_a - r_a)) [16, bk] times (k exp(r_a - G))^T [bk, C] (the same
-    right factor serves Aqk). Only rows a's [16, C] sums are live in the loop; the per-channel
-    elementwise work is repeated per sub-chunk. Normalising before the products keeps every term of
-    the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
+    A first loop sums the squares of q and k for the L2 norms (they need every column); the second
+    loads a [C, bk] column block of q, k and the gate input, computes the gate and its in-chunk
+    cumulative sum for those channels (both are per channel), and adds the block's share of every
+    pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
+    (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
+    keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
     n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index()
     rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
-    zero = jnp.zeros((BC, c), F32)
-    at, aqk = [], []
-    for a in range(n):
+    zero_rows = [jnp.zeros((BC, c), F32)] * n
 
-        def step(cols, carry, a=a):
-            at_a, aqk_a = carry
-            p = block_prep(cfg, ins, ci, cols, rq, rk)
-            G = cumsum_rows(cfg, p.g)
-            r_a = row(G, a * BC)
-            rhs = p.k * jnp.exp(jnp.minimum(r_a - G, EXP_CAP))  # rows after sub-chunk a: masked below
-            e_a = jnp.exp(split_rows(cfg, G, n)[a] - r_a)
-            at_a = at_a + mm_nt(cfg, split_rows(cfg, p.k, n)[a] * e_a, rhs, "mid")
+    def step(cols, carry):
+        at, aqk = carry
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
+        d = decay(cfg, p.g)
+        ke = split_rows(cfg, p.k * d.E, n)
+        qe = split_rows(cfg, p.q * d.E, n) if with_aqk else None
+        at_new, aqk_new = [], []
+        for a in range(n):
+            rhs = p.k * right_factor(d, a)
+            at_new.append(at[a] + mm_nt(cfg, ke[a], rhs, "mid"))
             if with_aqk:
-                aqk_a = aqk_a + mm_nt(cfg, split_rows(cfg, p.q, n)[a] * e_a, rhs, "mid")
-            return at_a, aqk_a
+                aqk_new.append(aqk[a] + mm_nt(cfg, qe[a], rhs, "mid"))
+        return at_new, aqk_new
 
-        at_a, aqk_a = kloop(cfg, cfg.dk, cfg.bk, step, (zero, zero if with_aqk else None))
-        at.append(at_a)
-        aqk.append(aqk_a)
+    at, aqk = kloop(cfg, cfg.dk, cfg.bk, step, (zero_rows, zero_rows if with_aqk else []))
     ri, cj = iota((c, c), 0), iota((c, c), 1)
     keep = ri >= cj
     if seg is not None:
@@ -472,28 +467,26 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     return Pairs(at, aqk)
 
 
-def fwd_pairs_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel forward, part 1, one (batch, head, chunk) per program: the [C, C] products.
+def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
+    """Chunk-parallel forward, part 1, one (batch, head, chunk) per program: the [C, C] level.
 
     Reads q, k, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the L2
-    norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`); writes Aqk (compute dtype) and
-    At (float32).
+    norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`) and the triangular inverse M
+    (`solve`); writes Aqk (compute dtype), M (float32) and, for the backward, At (float32).
+    The [C, C] products live in their own launch: their registers would otherwise limit the
+    [C, K]-level kernel below to two 4-warp programs per SM.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
-    aqk_ref, at_ref = refs[i:i + 2]
+    aqk_ref, m_ref = refs[i:i + 2]
     pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True)
+    m_ref[...] = solve(cfg, pr.at, ins[3][...].astype(F32))
     aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
-    at_ref[...] = pr.at
-
-
-def fwd_solve_kernel(cfg: Cfg, beta_ref, at_ref, m_ref):
-    """Chunk-parallel forward, part 2: M = (I + diag(beta) At)^-1 [C, C] (`solve`), in its own launch
-    (its [C, C] products' registers would otherwise limit part 1 to one program per SM, with spills)."""
-    m_ref[...] = solve(cfg, at_ref[...], beta_ref[...].astype(F32))
+    if store_at:
+        refs[i + 2][...] = pr.at
 
 
 def fwd_wu_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel forward, part 3: the [C, K] level, from part 2's M.
+    """Chunk-parallel forward, part 2: the [C, K] level, from part 1's M.
 
     Reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M; writes
     W = M diag(beta m) (exp(G) * k), Qg, Kg [C, K], gamma [1, K] per block of key columns (the
