@@ -2,6 +2,8 @@
 
     python3 bench/train.py --out bench/results/train_h200.json            # the GPU run
     python3 bench/train.py --smoke --out /tmp/train_smoke.json            # CPU, debug preset, a minute
+    XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" python3 bench/train.py --out x.json \
+        --kda-impl pallas --remat full --profile /tmp/trace                 # + where the step's time goes
 
 The full jitted train step of `train/step.py` (fp32 master params, bf16 compute, AdamW, gradient
 clipping, expert-bias update, MTP loss off) on random packed batches of `--seq-len` tokens with a
@@ -30,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, matmul_rate, median_time, random_params, write_json
+from bench.device_profile import device_profile, print_profile
 from ling_jax.config import LingConfig
 from train.config import TrainConfig
 from train.flops import peak_flops_per_device, train_flops_per_token
@@ -61,6 +64,8 @@ def main() -> None:
     ap.add_argument("--kda-impl", nargs="+", default=["pallas", "chunked"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", help="also trace two steps into this folder and record the per-kernel / "
+                    "per-op-path summary (op paths need XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)")
     args = ap.parse_args()
     if args.smoke:
         args.preset, args.layers, args.seq_len, args.batch_size, args.steps = "debug", 4, 128, 2, 2
@@ -104,13 +109,17 @@ def main() -> None:
                        "mfu_measured_matmul": flops / measured, "loss": float(met["loss"]),
                        "first_step_s_incl_compile": compile_s,
                        "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9}
+                if args.profile:
+                    run["profile"] = device_profile(one, f"{args.profile}/{impl}_{remat}", calls=2, top=30)
+                    print_profile(run["profile"])
                 del holder, state, params
             except Exception as e:  # record an OOM or compile failure for this variant and go on
                 traceback.print_exc()
                 run = {"kda_impl": impl, "remat": remat, "error": f"{type(e).__name__}: {str(e)[:500]}"}
             result["runs"].append(run)
             write_json(args.out, result)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items()}, flush=True)
+            shown = {k: v for k, v in run.items() if k != "profile"}
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}, flush=True)
     print(f"wrote {write_json(args.out, result)}")
 
 
