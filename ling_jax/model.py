@@ -254,7 +254,7 @@ def _expert_counts(cfg: LingConfig, aux: dict[str, jax.Array]) -> jax.Array:
     """Tokens routed to each expert [E] (int32, global over the batch) from a MoE layer's router aux."""
     if "expert_counts" in aux:
         return aux["expert_counts"]
-    return jnp.bincount(aux["topk_idx"].reshape(-1), length=cfg.num_experts).astype(jnp.int32)
+    return moe_ops.expert_counts(aux["topk_idx"], cfg.num_experts)
 
 
 def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BTD: jax.Array,

@@ -176,6 +176,33 @@ def test_ragged_experts_gradients_equal_dense():
         assert rel_l2(a, b) < 1e-5
 
 
+def test_routed_partial_non_local_experts_values_gradients_and_counts():
+    """One device's share of the experts (3..5 of 8) with padding rows routed
+    to the sentinel E: the sorted dispatch's gathers (and their transposes) equal the dense path,
+    and the counts skip the sentinel."""
+    rng = np.random.default_rng(11)
+    n, d, e, i, k, first, n_local = 20, 8, 8, 6, 3, 3, 3
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
+          for s in ((n_local, d, i), (n_local, d, i), (n_local, i, d))]
+    idx = rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k]
+    idx[-2:] = e  # padding rows
+    idx = jnp.asarray(idx, jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+
+    def loss(impl, x, w, *ws):
+        return jnp.sum(jnp.sin(moe_ops.routed_partial(x, idx, w, first, *ws, impl=impl)))
+
+    va, ga = jax.value_and_grad(lambda *a: loss("ragged", *a), argnums=(0, 1, 2, 3, 4))(x, w, *ws)
+    vb, gb = jax.value_and_grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2, 3, 4))(x, w, *ws)
+    np.testing.assert_allclose(va, vb, rtol=1e-5)
+    for a, b in zip(ga, gb, strict=True):
+        assert rel_l2(a, b) < 1e-5
+    assert float(jnp.abs(ga[0][-2:]).max()) == 0.0  # padding rows: no expert, no gradient
+    want = np.bincount(np.asarray(idx).reshape(-1), minlength=e + 1)[:e]
+    np.testing.assert_array_equal(moe_ops.expert_counts(idx, e), want)
+
+
 def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypatch):
     """The KDA layer resolves "auto" with its own gate (the config's safe gate): on a GPU it runs the
     Pallas kernels both when the gate is fused (no padding) and when it is precomputed for padded

@@ -139,8 +139,10 @@ def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
-def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-    """Zeroes the rows past sum(group_sizes) (kernels leave them unwritten)."""
+def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array, full: bool = False) -> jax.Array:
+    """Zeroes the rows past sum(group_sizes) (kernels leave them unwritten); `full`: there are none."""
+    if full:
+        return y_MN
     valid_M = jnp.arange(y_MN.shape[0]) < jnp.sum(group_sizes_G)
     return jnp.where(valid_M[:, None], y_MN, jnp.zeros((), y_MN.dtype))
 
@@ -221,25 +223,26 @@ _MATMUL = {"mgpu": _mgpu_matmul, "gmm": _gmm_matmul}
 _DW = {"mgpu": _mgpu_dw, "gmm": _gmm_dw}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def kernel_ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, kernel: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def kernel_ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, kernel: str,
+                      full: bool = False) -> jax.Array:
     """`jax.lax.ragged_dot(x, w, group_sizes)` through a Pallas kernel ("mgpu" or "gmm"), differentiable.
 
     Backward: dX = the same kernel on dY with the weights transposed in the kernel, dW = the
     kernel's transposed grouped matmul (per group, X_g^T dY_g). Rows past sum(group_sizes) are
-    zero in Y and in dX.
+    zero in Y and in dX. `full`: the caller guarantees sum(group_sizes) = M (no masking passes).
     """
-    return _row_mask(_MATMUL[kernel](x_MK, w_GKN, group_sizes_G, False), group_sizes_G)
+    return _row_mask(_MATMUL[kernel](x_MK, w_GKN, group_sizes_G, False), group_sizes_G, full)
 
 
-def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel):
-    return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel), (x_MK, w_GKN, group_sizes_G)
+def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel, full):
+    return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel, full), (x_MK, w_GKN, group_sizes_G)
 
 
-def _krd_bwd(kernel, res, dy_MN):
+def _krd_bwd(kernel, full, res, dy_MN):
     x_MK, w_GKN, gs_G = res
-    dy_MN = _row_mask(dy_MN.astype(x_MK.dtype), gs_G)
-    dx_MK = _row_mask(_MATMUL[kernel](dy_MN, w_GKN, gs_G, True), gs_G)
+    dy_MN = _row_mask(dy_MN.astype(x_MK.dtype), gs_G, full)
+    dx_MK = _row_mask(_MATMUL[kernel](dy_MN, w_GKN, gs_G, True), gs_G, full)
     dw_GKN = _DW[kernel](x_MK, dy_MN, gs_G).astype(w_GKN.dtype)
     return dx_MK, dw_GKN, None
 
@@ -247,16 +250,18 @@ def _krd_bwd(kernel, res, dy_MN):
 kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
 
 
-def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str) -> jax.Array:
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str,
+                   full: bool = False) -> jax.Array:
     """Rows sorted by group: row block g of x times w[g]; [M, K] x [G, K, N] -> [M, N] in x's dtype.
 
-    Rows past sum(group_sizes) are zero. `impl`: "ragged", "mgpu" or "gmm" (see the module doc).
+    Rows past sum(group_sizes) are zero. `impl`: "ragged", "mgpu" or "gmm" (see the module doc);
+    `full`: the caller guarantees sum(group_sizes) = M.
     """
     w_GKN = w_GKN.astype(x_MK.dtype)
     if impl == "ragged":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if impl in KERNELS:
-        return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl)
+        return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl, full)
     raise ValueError(f"grouped_matmul impl={impl!r}: must be 'ragged' or one of {KERNELS}")
 
 
@@ -269,14 +274,15 @@ def combine(y_NKD: jax.Array, w_NK: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged") -> jax.Array:
+                      w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged",
+                      full: bool = False) -> jax.Array:
     """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
 
-    Rows past sum(group_sizes) come out zero.
+    Rows past sum(group_sizes) come out zero; `full`: the caller guarantees they sum to M.
     """
-    g_MI = grouped_matmul(x_MD, w_gate, group_sizes_E, impl=impl)
-    u_MI = grouped_matmul(x_MD, w_up, group_sizes_E, impl=impl)
-    return grouped_matmul(swiglu_act(g_MI, u_MI, limit), w_down, group_sizes_E, impl=impl)
+    g_MI = grouped_matmul(x_MD, w_gate, group_sizes_E, impl=impl, full=full)
+    u_MI = grouped_matmul(x_MD, w_up, group_sizes_E, impl=impl, full=full)
+    return grouped_matmul(swiglu_act(g_MI, u_MI, limit), w_down, group_sizes_E, impl=impl, full=full)
 
 
 def routed_partial(
@@ -290,6 +296,7 @@ def routed_partial(
     *,
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
+    all_local: bool = False,
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) over the choices j with idx in [first, first + L): [N, D] f32.
 
@@ -297,7 +304,8 @@ def routed_partial(
     experts, or the padding sentinel idx = E) contribute nothing and cost nothing in the grouped
     matmul: the copies are sorted with the local ones first (by expert) and only the worst-case
     number of local copies, N * min(k, L), is fed to it — dropless under any routing skew.
-    Expert outputs are in x's dtype, the weighted sum is float32.
+    Expert outputs are in x's dtype, the weighted sum is float32. `all_local`: the caller guarantees
+    every choice is in range (every sorted copy is computed: the grouped matmuls skip their masks).
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
@@ -335,13 +343,14 @@ def routed_partial(
         return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
     key_M = jnp.where(is_local_NK, local_NK, n_local).reshape(-1)  # non-local copies sort last
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
-    order_C = jnp.argsort(key_M, stable=True)[:cap]
-    group_sizes_L = jnp.bincount(key_M, length=n_local + 1)[:n_local].astype(jnp.int32)
-    y_sorted_CD = expert_ffn_sorted(x_ND[order_C // k], group_sizes_L, w_gate_LDI, w_up_LDI, w_down_LID,
-                                    limit, impl)
-    # rows past the local copies are zero, so the non-local slots they land in stay zero
-    y_MD = jnp.zeros((n * k, y_sorted_CD.shape[-1]), y_sorted_CD.dtype).at[order_C].set(y_sorted_CD)
-    return combine(y_MD.reshape(n, k, -1), w_NK, jnp.float32)
+    order_M = jnp.argsort(key_M, stable=True)
+    # pos_M: where each copy lands in the sorted order (copies at >= cap are not computed)
+    pos_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype), unique_indices=True)
+    order_C = order_M[:cap]
+    group_sizes_L = counts(key_M, n_local)
+    y_sorted_CD = expert_ffn_sorted(dispatch(x_ND, order_C, pos_M), group_sizes_L, w_gate_LDI, w_up_LDI,
+                                    w_down_LID, limit, impl, full=all_local and cap == n * k)
+    return combine(undispatch(y_sorted_CD, order_C, pos_M).reshape(n, k, -1), w_NK, jnp.float32)
 
 
 def routed_experts(
@@ -357,9 +366,68 @@ def routed_experts(
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local)."""
     return routed_partial(x_ND, idx_NK, w_NK, 0, w_gate_EDI, w_up_EDI, w_down_EID, limit=limit,
-                          impl=impl).astype(x_ND.dtype)
+                          impl=impl, all_local=True).astype(x_ND.dtype)
+
+
+def counts(idx: jax.Array, n: int) -> jax.Array:
+    """How many entries of idx equal each of 0 .. n-1: [n] int32 (others are not counted).
+
+    A compare-and-sum, not `bincount`: XLA's scatter-add of ~10^5 ones into ~10^2 bins serialises on
+    its atomics (3 ms per call on an H200 at 32k tokens x top-8, bench/results/train_h200_profile.json).
+    """
+    return jnp.sum(idx.reshape(-1, 1) == jnp.arange(n, dtype=idx.dtype), axis=0, dtype=jnp.int32)
 
 
 def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
     """Copies routed to each expert [E] int32; indices outside [0, E) (padding) are not counted."""
-    return jnp.zeros((num_experts,), jnp.int32).at[idx_NK.reshape(-1)].add(1, mode="drop")
+    return counts(idx_NK, num_experts)
+
+
+# ----------------------------------------------------------------------------- dispatch
+# The sorted order is a permutation of the N * k token copies, so both directions are gathers and
+# the transpose of each is the other one's gather: no scatter in the forward or the backward (XLA's
+# scatter-add of [N * k, D] rows broadcasts a u32 index per element, 1.6 GB at 32k tokens x top-8).
+
+
+def _copies_of(y_CD: jax.Array, pos_M: jax.Array) -> jax.Array:
+    """Rows of y [C, D] for every token copy [M, D], in token order; copies at pos >= C are zero."""
+    c = y_CD.shape[0]
+    got = y_CD[jnp.minimum(pos_M, c - 1)]
+    return jnp.where((pos_M < c)[:, None], got, jnp.zeros((), y_CD.dtype))
+
+
+@jax.custom_vjp
+def dispatch(x_ND: jax.Array, order_C: jax.Array, pos_M: jax.Array) -> jax.Array:
+    """x_ND[order_C // k] [C, D]: the first C token copies in sorted order (k = M / N copies a token)."""
+    return x_ND[order_C // (pos_M.shape[0] // x_ND.shape[0])]
+
+
+def _dispatch_fwd(x_ND, order_C, pos_M):
+    return dispatch(x_ND, order_C, pos_M), (x_ND.shape[0], order_C, pos_M)
+
+
+def _dispatch_bwd(res, dy_CD):
+    n, order_C, pos_M = res
+    dx_ND = _copies_of(dy_CD, pos_M).reshape(n, -1, dy_CD.shape[-1]).sum(axis=1, dtype=jnp.float32)
+    return dx_ND.astype(dy_CD.dtype), None, None
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def undispatch(y_CD: jax.Array, order_C: jax.Array, pos_M: jax.Array) -> jax.Array:
+    """The expert outputs back in token-copy order [M, D] (copies past C: zero)."""
+    return _copies_of(y_CD, pos_M)
+
+
+def _undispatch_fwd(y_CD, order_C, pos_M):
+    return undispatch(y_CD, order_C, pos_M), (order_C,)
+
+
+def _undispatch_bwd(res, dy_MD):
+    (order_C,) = res
+    return dy_MD[order_C], None, None
+
+
+undispatch.defvjp(_undispatch_fwd, _undispatch_bwd)
