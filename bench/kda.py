@@ -221,7 +221,7 @@ def per_kernel(args) -> None:
             # the chunk-parallel kernels at other key blocks / warps / pipeline stages
             if bk == cfg.bk and warps is None and stages is None:
                 continue
-            var = dataclasses.replace(cfg, bk=bk, bk_kv=bk, **({} if warps is None else {
+            var = dataclasses.replace(cfg, bk=bk, bk_kv=bk if args.block_k else cfg.bk_kv, **({} if warps is None else {
                 "warps_pairs": warps, "warps_wu": warps, "warps_dqkg": warps, "warps_bwd_pairs": warps}),
                 **({} if stages is None else {"stages_chunk": stages}))
             tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")

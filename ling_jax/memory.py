@@ -148,13 +148,13 @@ def moe_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_byte
 def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_bytes: int = 2,
                 training: bool = False) -> float:
     """Dominant buffers of one KDA layer for `tokens` local tokens (heads split over tensor);
-    `training`: with the Pallas kernels' backward residuals."""
+    `training`: with the Pallas kernels' backward residuals and float32 partials."""
     p = _div(cfg.kda_dim, sizes, "tensor")
     h = _div(cfg.num_attention_heads, sizes, "tensor")
     dh = cfg.head_dim
     per_token = (3 * p + 3 * p + 2 * p + 2 * p) * act_bytes + p * 4 + cfg.hidden_size * act_bytes
-    if training:
-        per_token += 2 * h * 64 * 4  # the Pallas kernels' backward residuals M and At: [C = 64] float32 per head
+    if training:  # the Pallas kernels' backward: residuals M and At ([C = 64] float32 per head) and the
+        per_token += 2 * h * 64 * 4 + 3 * h * dh * 4  # float32 partial dq, dk, dG between bwd_dqkg and bwd_pairs
     return tokens * per_token + math.ceil(tokens / 64) * h * dh * dh * 4
 
 

@@ -177,11 +177,11 @@ def test_ragged_experts_gradients_equal_dense():
 
 
 def test_routed_partial_non_local_experts_values_gradients_and_counts():
-    """One device's share of the experts (3..5 of 8) with padding rows routed
-    to the sentinel E: the sorted dispatch's gathers (and their transposes) equal the dense path,
-    and the counts skip the sentinel."""
+    """One device's share of the experts (3..4 of 8, fewer than top-k: copies past the capacity are
+    never computed) with padding rows routed to the sentinel E: the sorted dispatch's gathers (and
+    their transposes) equal the dense path, and the counts skip the sentinel."""
     rng = np.random.default_rng(11)
-    n, d, e, i, k, first, n_local = 20, 8, 8, 6, 3, 3, 3
+    n, d, e, i, k, first, n_local = 20, 8, 8, 6, 3, 3, 2
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)
           for s in ((n_local, d, i), (n_local, d, i), (n_local, i, d))]

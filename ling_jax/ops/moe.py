@@ -348,9 +348,10 @@ def routed_partial(
     pos_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype), unique_indices=True)
     order_C = order_M[:cap]
     group_sizes_L = counts(key_M, n_local)
-    y_sorted_CD = expert_ffn_sorted(dispatch(x_ND, order_C, pos_M), group_sizes_L, w_gate_LDI, w_up_LDI,
+    n_valid = jnp.sum(group_sizes_L)  # the local copies: sorted positions [0, n_valid)
+    y_sorted_CD = expert_ffn_sorted(dispatch(x_ND, order_C, pos_M, n_valid), group_sizes_L, w_gate_LDI, w_up_LDI,
                                     w_down_LID, limit, impl, full=all_local and cap == n * k)
-    return combine(undispatch(y_sorted_CD, order_C, pos_M).reshape(n, k, -1), w_NK, jnp.float32)
+    return combine(undispatch(y_sorted_CD, order_C, pos_M, n_valid).reshape(n, k, -1), w_NK, jnp.float32)
 
 
 def routed_experts(
@@ -389,45 +390,46 @@ def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
 # scatter-add of [N * k, D] rows broadcasts a u32 index per element, 1.6 GB at 32k tokens x top-8).
 
 
-def _copies_of(y_CD: jax.Array, pos_M: jax.Array) -> jax.Array:
-    """Rows of y [C, D] for every token copy [M, D], in token order; copies at pos >= C are zero."""
-    c = y_CD.shape[0]
-    got = y_CD[jnp.minimum(pos_M, c - 1)]
-    return jnp.where((pos_M < c)[:, None], got, jnp.zeros((), y_CD.dtype))
+def _copies_of(y_CD: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Rows of y [C, D] for every token copy [M, D], in token order; copies at pos >= n_valid (not
+    computed: other devices' experts, padding) are zero whatever those rows of y hold."""
+    got = y_CD[jnp.minimum(pos_M, y_CD.shape[0] - 1)]
+    return jnp.where((pos_M < n_valid)[:, None], got, jnp.zeros((), y_CD.dtype))
 
 
 @jax.custom_vjp
-def dispatch(x_ND: jax.Array, order_C: jax.Array, pos_M: jax.Array) -> jax.Array:
+def dispatch(x_ND: jax.Array, order_C: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
     """x_ND[order_C // k] [C, D]: the first C token copies in sorted order (k = M / N copies a token)."""
     return x_ND[order_C // (pos_M.shape[0] // x_ND.shape[0])]
 
 
-def _dispatch_fwd(x_ND, order_C, pos_M):
-    return dispatch(x_ND, order_C, pos_M), (x_ND.shape[0], order_C, pos_M)
+def _dispatch_fwd(x_ND, order_C, pos_M, n_valid):
+    return dispatch(x_ND, order_C, pos_M, n_valid), (x_ND.shape[0], pos_M, n_valid)
 
 
 def _dispatch_bwd(res, dy_CD):
-    n, order_C, pos_M = res
-    dx_ND = _copies_of(dy_CD, pos_M).reshape(n, -1, dy_CD.shape[-1]).sum(axis=1, dtype=jnp.float32)
-    return dx_ND.astype(dy_CD.dtype), None, None
+    n, pos_M, n_valid = res
+    dx_ND = _copies_of(dy_CD, pos_M, n_valid).reshape(n, -1, dy_CD.shape[-1]).sum(axis=1, dtype=jnp.float32)
+    return dx_ND.astype(dy_CD.dtype), None, None, None
 
 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @jax.custom_vjp
-def undispatch(y_CD: jax.Array, order_C: jax.Array, pos_M: jax.Array) -> jax.Array:
-    """The expert outputs back in token-copy order [M, D] (copies past C: zero)."""
-    return _copies_of(y_CD, pos_M)
+def undispatch(y_CD: jax.Array, order_C: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """The expert outputs back in token-copy order [M, D] (copies at pos >= n_valid: zero)."""
+    return _copies_of(y_CD, pos_M, n_valid)
 
 
-def _undispatch_fwd(y_CD, order_C, pos_M):
-    return undispatch(y_CD, order_C, pos_M), (order_C,)
+def _undispatch_fwd(y_CD, order_C, pos_M, n_valid):
+    return undispatch(y_CD, order_C, pos_M, n_valid), (order_C, n_valid)
 
 
 def _undispatch_bwd(res, dy_MD):
-    (order_C,) = res
-    return dy_MD[order_C], None, None
+    order_C, n_valid = res
+    keep_C = jnp.arange(order_C.shape[0]) < n_valid
+    return jnp.where(keep_C[:, None], dy_MD[order_C], jnp.zeros((), dy_MD.dtype)), None, None, None
 
 
 undispatch.defvjp(_undispatch_fwd, _undispatch_bwd)

@@ -133,6 +133,29 @@ def test_key_blocks_equal_one_block(backend):
         assert rel_l2(a, b) < 1e-5, name
 
 
+def test_key_blocks_without_fused_gate_and_norm():
+    """Several key blocks when the kernels take a precomputed log decay and normalised q/k (no
+    per-block gate derivatives, no norm backward): forward and every gradient equal one block."""
+    q, k, v, f, beta, a_log, dt_bias, h0 = make_inputs(32, 1, 100, 2, 32, 32)
+    x = (l2_normalize(q), l2_normalize(k), v, kda_gate(f, a_log, dt_bias, -5.0), beta, h0)
+
+    def run(bk, bkv, *a):
+        return kda_pallas(*a[:5], scale=32 ** -0.5, initial_state=a[5], block_k=bk, block_k_kv=bkv)
+
+    outs = jax.eval_shape(functools.partial(run, 32, 32), *x)
+    ws = [jax.random.normal(jax.random.PRNGKey(i), s.shape) for i, s in enumerate(outs)]
+
+    def loss(bk, bkv, *a):
+        return sum(jnp.sum(r * w) for r, w in zip(run(bk, bkv, *a), ws, strict=True))
+
+    for a, b in zip(run(8, 16, *x), run(32, 32, *x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    g_four = jax.grad(functools.partial(loss, 8, 16), argnums=tuple(range(6)))(*x)
+    g_one = jax.grad(functools.partial(loss, 32, 32), argnums=tuple(range(6)))(*x)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g_four, g_one, strict=True):
+        assert rel_l2(a, b) < 1e-5, name
+
+
 @pytest.mark.parametrize("chunk", [16, pytest.param(128, marks=pytest.mark.heavy)])
 def test_chunk_sizes_forward_and_gradients(chunk):
     """Chunk 16 (one sub-chunk: the inverse is the block-diagonal product alone) and 128 (eight
@@ -321,8 +344,8 @@ def test_tpu_variant_forward():
 # ------------------------------------------------------------------------------------------------
 
 
-def _export_fwd_and_grad(backend: str, platform: str, **kw):
-    b, t, h, dk = 1, 128, 2, 128
+def _export_fwd_and_grad(backend: str, platform: str, dk: int = 128, **kw):
+    b, t, h = 1, 128, 2
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     args = (sd((b, t, h, dk), bf), sd((b, t, h, dk), bf), sd((b, t, h, dk), bf), sd((b, t, h, dk), bf),
@@ -349,6 +372,8 @@ def test_bad_tile_settings_are_refused():
         pallas(*x, num_warps={"bwd_main": 8})
     with pytest.raises(ValueError, match="bk_kv=24 must divide K=32"):
         pallas(*x, block_k_kv=24)
+    with pytest.raises(ValueError, match="on TPU K=32 or a multiple of 128"):
+        pallas(*x, block_k=16, backend="tpu", interpret=False)
 
 
 @pytest.mark.parametrize("block_k", [None, 128])
@@ -357,10 +382,13 @@ def test_triton_lowering(h200_lowering, block_k):
     _export_fwd_and_grad("triton", "cuda", block_k=block_k)
 
 
-def test_tpu_lowering(monkeypatch):
+@pytest.mark.parametrize("blocks", [{}, pytest.param({"dk": 256, "block_k": 128, "block_k_kv": 128},
+                                                     marks=pytest.mark.heavy)])
+def test_tpu_lowering(monkeypatch, blocks):
+    """One key block (the TPU default), and two: the backward's key-block grid with lane-dim blocks."""
     tpu_info = pytest.importorskip("jax._src.tpu_info")
     if not hasattr(tpu_info, "registry"):
         pytest.skip("this jax has no TPU-info registry to describe a TPU with")
     monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind,
                         lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5P, 1))
-    _export_fwd_and_grad("tpu", "tpu")
+    _export_fwd_and_grad("tpu", "tpu", **blocks)

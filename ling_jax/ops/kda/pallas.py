@@ -387,11 +387,15 @@ def _bwd_grid(cfg: Cfg, q: jax.Array, bk: int) -> tuple[int, int, int, int]:
 
 def _bwd_dqkg(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs, dh, mm_):
     """The state terms, one block of key columns per program: float32 partial dq_hat, dk_hat, dG
-    [.., K] and dbeta's share of every key block [.., K / bk]."""
+    [.., K] and dbeta's share of every key block [K / bk, .., 1]."""
     bk = cfg.bk_kv
     grid = _bwd_grid(cfg, q, bk)
     c, dv = cfg.chunk, cfg.dv
-    out_shape = [jax.ShapeDtypeStruct(q.shape, F32)] * 3 + [jax.ShapeDtypeStruct((*beta.shape[:-1], grid[0]), F32)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, F32)] * 3 + [jax.ShapeDtypeStruct((grid[0], *beta.shape), F32)]
+    if cfg.layout == "bthd":  # dbeta's share of each key block: the block index leads (TPU lane blocks)
+        dbk_spec = pl.BlockSpec((None, None, c, None, 1), lambda j, b, h, t: (j, b, t, h, 0))
+    else:
+        dbk_spec = pl.BlockSpec((None, None, None, c, 1), lambda j, b, h, t: (j, b, h, t, 0))
     in_specs = [*_input_specs(cfg, kb=bk), *[_kb(_tok(cfg, 1))] * len(norms), *[_kb(_tok(cfg, dv))] * 3,
                 _chk_kb(dv, bk), _chk_kb(dv, bk), _kb(_tok(cfg, c))]
     return pl.pallas_call(
@@ -399,7 +403,7 @@ def _bwd_dqkg(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs,
         out_shape=out_shape,
         grid=grid,
         in_specs=in_specs,
-        out_specs=[_tok_kb(cfg, bk)] * 3 + [_tok_kb(cfg, 1)],
+        out_specs=[_tok_kb(cfg, bk)] * 3 + [dbk_spec],
         compiler_params=_compiler_params(cfg, cfg.warps_dqkg, cfg.stages_chunk, key_blocks=True),
         interpret=cfg.interpret,
         name="kda_bwd_dqkg",
@@ -484,7 +488,7 @@ def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
     norms = (_inv_norm(q), _inv_norm(k)) if cfg.l2norm else ()
     dqp, dkp, dgp, dbk = _bwd_dqkg(cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs.astype(cd), dh,
                                    mmat)
-    dbeta = (dbp + jnp.sum(dbk, axis=-1, keepdims=True)).astype(beta.dtype)
+    dbeta = (dbp + jnp.sum(dbk, axis=0)).astype(beta.dtype)
     outs = _bwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp, dgp)
     dq, dk, dg = outs[:3]
     if cfg.l2norm:  # the L2 norm's backward, from the kernels' r * d(x_hat): x_hat = r x, r = 1 / ||x||

@@ -100,6 +100,10 @@ class Cfg:
         for name in ("bk", "bk_kv"):
             if getattr(self, name) > self.dk or self.dk % getattr(self, name):
                 raise ValueError(f"key block {name}={getattr(self, name)} must divide K={self.dk}")
+            if self.backend == "tpu" and not self.interpret and getattr(self, name) != self.dk \
+                    and getattr(self, name) % 128:
+                raise ValueError(f"key block {name}={getattr(self, name)}: on TPU K={self.dk} or a multiple "
+                                 "of 128 (the backward's blocks of key columns are lane-dim blocks)")
         if self.chunk % BC:
             raise ValueError(f"chunk={self.chunk} must be a multiple of {BC}")
 
