@@ -173,6 +173,7 @@ def per_kernel(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.common import git_revision
     from ling_jax.ops.kda import pallas as kp
+    from ling_jax.ops.kda.gate import inv_l2_norm
 
     out: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "device": jax.devices()[0].device_kind,
                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "git": git_revision()}
@@ -202,7 +203,7 @@ def per_kernel(args) -> None:
         dh, dvn, dh0 = f_bstate(qg, w, kg, aqk, gam, do, ht)
         f_bintra = jax.jit(functools.partial(_k_bwd_intra, kp, cfg))
         x, y, dbp, dv = f_bintra(beta, v, do, vn, dvn, mmat, at)
-        norms = (kp._inv_norm(q), kp._inv_norm(k))
+        norms = (inv_l2_norm(q), inv_l2_norm(k))
         a_dqkg = (q, k, g, beta, al, dtb, *norms, do, vn, dvn, hs, dh, mmat)
         f_dqkg = jax.jit(functools.partial(_k_bwd_dqkg, kp, cfg))
         dqp, dkp, dgp, _ = f_dqkg(*a_dqkg)

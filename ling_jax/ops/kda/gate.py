@@ -25,7 +25,12 @@ def kda_gate(
     return lower_bound * jax.nn.sigmoid(a * x)
 
 
+def inv_l2_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """1 / sqrt(sum(x^2) + eps) over the last axis, [..., 1] float32."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis, computed and returned in float32."""
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + eps)
+    return x.astype(jnp.float32) * inv_l2_norm(x, eps)

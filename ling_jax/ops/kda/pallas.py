@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.kda import pallas_chunk as pc
-from ling_jax.ops.kda.gate import kda_gate
+from ling_jax.ops.kda.gate import inv_l2_norm, kda_gate
 from ling_jax.ops.kda.reference import segment_starts
 
 F32 = jnp.float32
@@ -465,12 +465,6 @@ def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, mas
     return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
 
 
-def _inv_norm(x: jax.Array) -> jax.Array:
-    """1 / ||x|| over the last axis, [.., 1] float32 (the kernels' `pallas_chunk.inv_norms`)."""
-    xf = x.astype(F32)
-    return jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)
-
-
 def _norm_bwd(x: jax.Array, r: jax.Array, rdxh: jax.Array) -> jax.Array:
     """dx = r dx_hat - x r^2 sum(x_hat dx_hat) = rdxh - x r^2 sum(x rdxh), from rdxh = r dx_hat."""
     xf = x.astype(F32)
@@ -485,7 +479,7 @@ def _core_bwd(cfg: Cfg, want_states: bool, res, cts):
     do = do.astype(cd)
     dh, dvn, dh0 = _bwd_state(cfg, qg, w, kg, aqk, gam, do, dht.astype(F32), dcs)
     x, y, dbp, dv = _bwd_intra(cfg, beta, masks, v, do, vn, dvn, mmat, at)
-    norms = (_inv_norm(q), _inv_norm(k)) if cfg.l2norm else ()
+    norms = (inv_l2_norm(q), inv_l2_norm(k)) if cfg.l2norm else ()
     dqp, dkp, dgp, dbk = _bwd_dqkg(cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs.astype(cd), dh,
                                    mmat)
     dbeta = (dbp + jnp.sum(dbk, axis=0)).astype(beta.dtype)
