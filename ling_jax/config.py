@@ -29,6 +29,9 @@ MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = li
 # or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" picks the
 # kernels on a GPU where the widths allow (LingConfig.pallas_decode)
 DECODE_IMPLS = ("auto", "xla", "pallas")
+# the MLA attention of prefill and training: the materialised XLA softmax (ops.attention) or the fused
+# flash kernels (ops.attention_pallas); "auto" picks the kernels on a GPU where the head dims allow
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # the widths each decode kernel needs as powers of two, with their least value (Triton tiles)
 PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),)}
 
@@ -170,6 +173,7 @@ class LingConfig:
     kda_impl: str = "auto"
     moe_impl: str = "auto"
     decode_impl: str = "auto"
+    attention_impl: str = "auto"
     swiglu_clamp: bool = True
     # the original JSON, kept to write it back on export (not compared, not hashed)
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)
@@ -189,6 +193,17 @@ class LingConfig:
         from ling_jax.ops.pallas_gpu import on_gpu
 
         return on_gpu() and all(self._pallas_width(n, least) for n, least in PALLAS_DECODE_WIDTHS[mixer])
+
+    def pallas_attention(self) -> bool:
+        """Whether prefill/training MLA attention runs the fused kernels (`ops.attention_pallas`):
+        attention_impl "pallas", or "auto" on a GPU (`pallas_gpu.on_gpu`; per shard under a mesh) with
+        nope, rope and value head dims the kernels take. Elsewhere the XLA softmax."""
+        if self.attention_impl != "auto":
+            return self.attention_impl == "pallas"
+        from ling_jax.ops.attention_pallas import supported
+        from ling_jax.ops.pallas_gpu import on_gpu
+
+        return on_gpu() and supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -249,7 +264,7 @@ class LingConfig:
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict of this config (original keys kept, our fields updated)."""
         d: dict[str, Any] = json.loads(self.hf_json) if self.hf_json else {}
-        runtime = {"kda_impl", "moe_impl", "decode_impl", "swiglu_clamp", "hf_json", "quantization",
+        runtime = {"kda_impl", "moe_impl", "decode_impl", "attention_impl", "swiglu_clamp", "hf_json", "quantization",
                    "eos_token_id"}
         for f in dataclasses.fields(self):
             if f.name not in runtime:
@@ -297,6 +312,12 @@ class LingConfig:
         need(self.kda_impl in KDA_IMPLS, "kda_impl", f"must be one of {KDA_IMPLS}")
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
+        need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"must be one of {ATTENTION_IMPLS}")
+        if self.attention_impl == "pallas":
+            from ling_jax.ops.attention_pallas import supported
+
+            need(supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim), "attention_impl",
+                 "'pallas' needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim powers of two >= 16")
         if self.decode_impl == "pallas":  # the kernels' tiles are powers of two (Triton), KDA's >= 16
             for widths in PALLAS_DECODE_WIDTHS.values():
                 for name, least in widths:

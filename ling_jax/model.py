@@ -29,6 +29,7 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
+from ling_jax.ops.attention_pallas import documents
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.params import Params, layer_params
 
@@ -39,13 +40,14 @@ class Context:
 
     cos: jax.Array  # [B, T, d_r / 2] f32
     sin: jax.Array
-    mask_BTS: jax.Array  # MLA visibility
+    mask_BTS: jax.Array  # MLA visibility (the XLA attention)
     valid_BT: jax.Array | None  # False at padding
     segment_ids: jax.Array | None  # [B, T] packed documents
+    docs: tuple[jax.Array, jax.Array]  # MLA visibility as document numbers (the fused kernels)
 
 
 jax.tree_util.register_dataclass(
-    Context, data_fields=["cos", "sin", "mask_BTS", "valid_BT", "segment_ids"], meta_fields=[]
+    Context, data_fields=["cos", "sin", "mask_BTS", "valid_BT", "segment_ids", "docs"], meta_fields=[]
 )
 
 
@@ -66,8 +68,9 @@ def make_context(cfg: LingConfig, input_ids: jax.Array, *, attention_mask: jax.A
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     idx = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask = visibility(idx, idx, valid, segment_ids, segment_ids)
-    return Context(cos, sin, mask, valid, segment_ids)
+    doc_q, doc_k = documents(valid, segment_ids, b, t)  # a document ends wherever the segment id changes
+    mask = visibility(idx, idx, valid, doc_q, doc_q)
+    return Context(cos, sin, mask, valid, segment_ids, (doc_q, doc_k))
 
 
 MixerFn = Callable[[Params, jax.Array, Mixer, Any], tuple[jax.Array, Any]]
@@ -102,7 +105,7 @@ def sequence_mixer(cfg: LingConfig, ctx: Context) -> MixerFn:
     def mix(p: Params, h: jax.Array, mixer: Mixer, cache: Any) -> tuple[jax.Array, Any]:
         if mixer == "kda":
             return kda_mixer(p, h, cfg=cfg, valid_BT=ctx.valid_BT, segment_ids=ctx.segment_ids, cache=cache)
-        return mla_mixer(p, h, cfg=cfg, cos=ctx.cos, sin=ctx.sin, mask_BTS=ctx.mask_BTS)
+        return mla_mixer(p, h, cfg=cfg, cos=ctx.cos, sin=ctx.sin, mask_BTS=ctx.mask_BTS, docs=ctx.docs)
 
     return mix
 

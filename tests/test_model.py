@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,6 +52,16 @@ def test_golden_a_fp32(golden_a, prefix, tol):
         assert rel_l2(logits_NE, g["prefill_router_logits"][0].reshape(logits_NE.shape)) < tol
         w = np.asarray(out["layers"][1]["router"]["topk_weight"])
         np.testing.assert_allclose(w.sum(-1), 2.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("prefix, tol", [("prefill", 1e-5), ("long", 1e-4)])
+def test_golden_a_fused_attention(golden_a, prefix, tol):
+    """Golden set A with MLA through the fused attention kernels (interpret mode on CPU)."""
+    cfg, params, g = golden_a
+    out = _run(dataclasses.replace(cfg, attention_impl="pallas"), params, jnp.asarray(g[f"{prefix}_input_ids"]))
+    assert rel_l2(out["logits"], g[f"{prefix}_logits"]) < tol
+    for i, layer in enumerate(out["layers"]):
+        assert rel_l2(layer["hidden"], g[f"{prefix}_layer_outputs"][i]) < tol, f"layer {i}"
 
 
 @pytest.mark.parametrize("prefix, tol", [("prefill", 1e-5), ("long", 1e-4)])

@@ -536,11 +536,11 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
 
 
 @pytest.mark.heavy
-def test_pallas_kda_under_a_mesh(golden_a):
-    """The Pallas KDA kernels (interpret mode here) run per shard under a data x expert x tensor mesh
-    (layers/kda.py wraps them in a shard_map: batch rows over the token axes, heads over tensor)."""
+def test_pallas_kernels_under_a_mesh(golden_a):
+    """The Pallas KDA and fused MLA attention kernels (interpret mode here) run per shard under a data x
+    expert x tensor mesh (each wrapped in a shard_map: batch rows over the token axes, heads over tensor)."""
     cfg, _, g = golden_a
-    cfg = dataclasses.replace(cfg, kda_impl="pallas")
+    cfg = dataclasses.replace(cfg, kda_impl="pallas", attention_impl="pallas")
     ids = jnp.asarray(g["prefill_input_ids"])
     mesh, _, sparams = sharded_golden("2x2x2")
     with jax.set_mesh(mesh):

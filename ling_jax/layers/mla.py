@@ -18,6 +18,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
+from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
 from ling_jax.sharding import per_shard
@@ -54,11 +55,13 @@ def mla_output(p: dict[str, Any], o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Ar
 
 def mla_mixer(
     p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, cos: jax.Array, sin: jax.Array,
-    mask_BTS: jax.Array, absorbed: bool = False,
+    mask_BTS: jax.Array, absorbed: bool = False, docs: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, D] (input-normed) -> (out [B, T, D], {"latent": [B, T, r + d_r]} to cache).
 
-    cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention).
+    cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention);
+    `docs`: the same visibility as document numbers (`ops.attention_pallas.documents`), with which
+    the expanded form runs the fused kernels where `cfg.pallas_attention()`.
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
     query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; on
     an H200 the expanded form is 1.4-1.6x faster at 2k-16k tokens (`bench/prefill_mla.py`,
@@ -82,12 +85,27 @@ def mla_mixer(
         o_BTHR = jnp.einsum("bhts,bsr->bthr", p_BHTS, c_BTR)
         o_BTHV = jnp.einsum("bthr,rhv->bthv", o_BTHR, w_uv_RHV.astype(dt))
         return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
-    q_BTHD = jnp.concatenate([q_nope, q_rot], axis=-1)
     kv_BTHX = (c_BTR @ p["kv_b_proj"].astype(x_BTD.dtype)).reshape(b, t, h, dn + dv)
     k_nope, v_BTHV = jnp.split(kv_BTHX, [dn], axis=-1)
+    if docs is not None and cfg.pallas_attention():
+        o_BTHV = _fused_attention(q_nope, q_rot, k_nope, k_rot_BTd, v_BTHV, docs, cfg)
+        return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
+    q_BTHD = jnp.concatenate([q_nope, q_rot], axis=-1)
     k_BTHD = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot_BTd[:, :, None], (b, t, h, cfg.qk_rope_head_dim))], -1)
     o_BTHV = attention(q_BTHD, k_BTHD, v_BTHV, mask_BTS, scale=cfg.qk_head_dim**-0.5)
     return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
+
+
+def _fused_attention(q_nope: jax.Array, q_rot: jax.Array, k_nope: jax.Array, k_rot_BTd: jax.Array,
+                     v_BTHV: jax.Array, docs: tuple[jax.Array, jax.Array], cfg: LingConfig) -> jax.Array:
+    """The expanded attention through the fused kernels, per shard under a multi-device context mesh
+    (rows over the token axes, heads over tensor): [B, T, H, d_v]."""
+    args = dict(q_nope_BTHN=q_nope, q_rope_BTHR=q_rot, k_nope_BTHN=k_nope, k_rope_BTR=k_rot_BTd, v_BTHV=v_BTHV,
+                doc_q_BT=docs[0], doc_k_BT=docs[1])
+    dims = {"q_nope_BTHN": "b.h.", "q_rope_BTHR": "b.h.", "k_nope_BTHN": "b.h.", "k_rope_BTR": "b..",
+            "v_BTHV": "b.h.", "doc_q_BT": "b.", "doc_k_BT": "b."}
+    fn = functools.partial(mla_attention_pallas, scale=cfg.qk_head_dim**-0.5)
+    return per_shard(fn, args, dims, "b.h.", batch=q_nope.shape[0], heads=q_nope.shape[2])
 
 
 def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
