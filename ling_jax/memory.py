@@ -158,11 +158,21 @@ def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_byte
     return tokens * per_token + math.ceil(tokens / 64) * h * dh * dh * 4
 
 
-def mla_buffers(cfg: LingConfig, sizes: Mapping[str, int], rows: int, seq: int, act_bytes: int = 2) -> float:
-    """Dominant buffers of one MLA layer (materialised softmax) for `rows` local sequences of `seq` tokens."""
+def mla_buffers(cfg: LingConfig, sizes: Mapping[str, int], rows: int, seq: int, act_bytes: int = 2,
+                fused: bool = False) -> float:
+    """Dominant buffers of one MLA layer for `rows` local sequences of `seq` tokens: the materialised
+    softmax's [H, T, T] scores, probabilities and mask, or (`fused`: the fused kernels of
+    ops.attention_pallas, attention_impl "auto" on GPU) the output, row log-sum-exps and the
+    backward's per-head float32 rope-key gradient."""
     h = _div(cfg.num_attention_heads, sizes, "tensor")
     qkv = rows * seq * h * (2 * cfg.qk_head_dim + cfg.v_head_dim) * act_bytes
+    if fused:
+        return qkv + rows * seq * h * (cfg.v_head_dim * act_bytes + 4 + cfg.qk_rope_head_dim * 4)
     return rows * h * seq * seq * (4 + act_bytes) + rows * seq * seq + qkv
+
+
+def _mla_name(fused: bool) -> str:
+    return "MLA fused attention" if fused else "MLA T x T scores"
 
 
 def _largest(candidates: dict[str, float]) -> tuple[str, float]:
@@ -171,9 +181,11 @@ def _largest(candidates: dict[str, float]) -> tuple[str, float]:
 
 
 def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, context: int, weights: str = "fp8",
-                   prefill_tokens: int = 8192, hbm_gb: float = 141.0, title: str = "") -> Plan:
+                   prefill_tokens: int = 8192, hbm_gb: float = 141.0, title: str = "", fused_attention: bool = False
+                   ) -> Plan:
     """Serving: weights (FP8 kept FP8, or bf16), decode caches for `batch` sequences of `context`
-    tokens, and the working set of prefilling `prefill_tokens` tokens per device (one sequence chunk)."""
+    tokens, and the working set of prefilling `prefill_tokens` tokens per device (one sequence chunk);
+    `fused_attention`: MLA through the fused kernels (GPU) instead of the materialised softmax."""
     sizes = axis_sizes(mesh)
     plan = Plan(title or f"{cfg.num_hidden_layers}-layer model inference", sizes, hbm_gb * GB)
     per_el = fp8_bytes(cfg) if weights == "fp8" else bf16_bytes
@@ -199,7 +211,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
              f"{n['mla']} layers (incl. MTP) x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
     t = prefill_tokens
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t), "KDA": kda_buffers(cfg, sizes, t),
-                            "MLA T x T scores": mla_buffers(cfg, sizes, 1, t)})
+                            _mla_name(fused_attention): mla_buffers(cfg, sizes, 1, t, fused=fused_attention)})
     logits = _div(cfg.vocab_size, sizes, "tensor") * 4  # logits of the last position only
     plan.add("prefill working set", work + t * cfg.hidden_size * 2 * 2 + logits,
              f"largest layer at {t} tokens/device: {layer}; + residual stream")
@@ -207,9 +219,10 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
 
 
 def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_len: int, hbm_gb: float,
-                  title: str = "") -> Plan:
+                  title: str = "", fused_attention: bool = False) -> Plan:
     """Continued pretraining with AdamW: fp32 master params, 2 fp32 moments, fp32 grads, a bf16
-    compute copy, full per-layer remat; `batch` sequences of `seq_len` tokens per step (global)."""
+    compute copy, full per-layer remat; `batch` sequences of `seq_len` tokens per step (global);
+    `fused_attention`: MLA through the fused kernels (GPU) instead of the materialised softmax."""
     sizes = axis_sizes(mesh)
     plan = Plan(title or f"{cfg.num_hidden_layers}-layer model training", sizes, hbm_gb * GB)
     n_params = param_count(cfg)
@@ -232,7 +245,8 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
              f"{n['layers']} layers x {t} tokens/device x D bf16")
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t) + t * cfg.hidden_size * 2 * 6,
                             "KDA": kda_buffers(cfg, sizes, t, training=True),
-                            "MLA T x T scores": mla_buffers(cfg, sizes, max(1, round(rows)), seq_len)})
+                            _mla_name(fused_attention): mla_buffers(cfg, sizes, max(1, round(rows)), seq_len,
+                                                                    fused=fused_attention)})
     plan.add("one layer recomputed + its grads", 2 * work, f"largest layer: {layer}, x2 (values + grads)")
     v_l = _div(cfg.vocab_size, sizes, "tensor")
     heads = 1 + (cfg.num_nextn_predict_layers > 0)
@@ -268,19 +282,20 @@ def standard_plans() -> list[Plan]:
     flash31 = LingConfig.preset("ling-3.1-flash")
     tiny, flash30 = LingConfig.preset("ling-3.0-tiny"), LingConfig.preset("ling-3.0-flash")
     return [
-        plan_inference(flash31, {"expert": 8}, batch=64, context=32768, hbm_gb=H200,
+        plan_inference(flash31, {"expert": 8}, batch=64, context=32768, hbm_gb=H200, fused_attention=True,
                        title="Ling-3.1-flash FP8 inference, 8xH200, EP8 (64 seqs x 32k context)"),
-        plan_inference(flash31, {"tensor": 8}, batch=64, context=32768, hbm_gb=H200,
+        plan_inference(flash31, {"tensor": 8}, batch=64, context=32768, hbm_gb=H200, fused_attention=True,
                        title="Ling-3.1-flash FP8 inference, 8xH200, TP8 (64 seqs x 32k context)"),
         plan_inference(flash31, {"expert": 8}, batch=64, context=32768, weights="bf16", hbm_gb=H200,
+                       fused_attention=True,
                        title="Ling-3.1-flash dequantized to bf16, 8xH200, EP8 (for comparison)"),
-        plan_training(tiny, {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=H200,
+        plan_training(tiny, {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=H200, fused_attention=True,
                       title="Ling-3.0-tiny CPT, 8xH200, FSDP8 (16 x 4096 tokens/step)"),
         plan_training(tiny, {"fsdp": 8, "expert": 8}, batch=64, seq_len=4096, hbm_gb=V5P,
                       title="Ling-3.0-tiny CPT, TPU v5p-64 (64 chips), FSDP8 x EP8 (64 x 4096 tokens/step)"),
-        plan_training(flash30, {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=H200,
+        plan_training(flash30, {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=H200, fused_attention=True,
                       title="Ling-3.0-flash CPT, 8xH200, FSDP8 (16 x 4096 tokens/step)"),
-        plan_training(flash30, {"fsdp": 4, "expert": 8}, batch=32, seq_len=4096, hbm_gb=H200,
+        plan_training(flash30, {"fsdp": 4, "expert": 8}, batch=32, seq_len=4096, hbm_gb=H200, fused_attention=True,
                       title="Ling-3.0-flash CPT, 32xH200 (4 nodes), FSDP4 x EP8 (32 x 4096 tokens/step)"),
         plan_training(flash30, {"fsdp": 8, "expert": 8}, batch=64, seq_len=4096, hbm_gb=V5P,
                       title="Ling-3.0-flash CPT, TPU v5p-64 (64 chips), FSDP8 x EP8 (64 x 4096 tokens/step)"),

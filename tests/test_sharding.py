@@ -503,6 +503,12 @@ def test_memory_plan_divides_params_by_the_table():
     assert rows_tp["other weights"] < rows_ep["other weights"] / 3
     assert rows_tp["MLA latent cache"] == pytest.approx(8 * rows_ep["MLA latent cache"])
     assert ep.total == pytest.approx(sum(rows_ep.values()))
+    # the fused MLA attention (H200 plans) holds no [H, T, T] scores: linear, not quadratic, in T
+    sizes = {a: 1 for a in memory.AXES}
+    fused = [memory.mla_buffers(cfg, sizes, 1, t, fused=True) for t in (4096, 8192)]
+    assert fused[1] == pytest.approx(2 * fused[0]) and fused[1] < memory.mla_buffers(cfg, sizes, 1, 8192) / 20
+    ep_fused = memory.plan_inference(cfg, {"expert": 8}, batch=64, context=1024, hbm_gb=141, fused_attention=True)
+    assert ep_fused.total < ep.total
     train = memory.plan_training(LingConfig.preset("ling-3.0-tiny"), {"fsdp": 8}, batch=16, seq_len=4096, hbm_gb=141)
     master = dict((r[0], r[1]) for r in train.rows)["fp32 master params"]
     assert master == pytest.approx(4 * memory.param_count(LingConfig.preset("ling-3.0-tiny")) / 8, rel=0.01)
