@@ -194,16 +194,20 @@ class LingConfig:
 
         return on_gpu() and all(self._pallas_width(n, least) for n, least in PALLAS_DECODE_WIDTHS[mixer])
 
-    def pallas_attention(self) -> bool:
-        """Whether prefill/training MLA attention runs the fused kernels (`ops.attention_pallas`):
-        attention_impl "pallas", or "auto" on a GPU (`pallas_gpu.on_gpu`; per shard under a mesh) with
-        nope, rope and value head dims the kernels take. Elsewhere the XLA softmax."""
+    def pallas_attention(self, dtype: Any) -> bool:
+        """Whether prefill/training MLA attention on activations of `dtype` runs the fused kernels
+        (`ops.attention_pallas`): attention_impl "pallas", or "auto" on a GPU (`pallas_gpu.on_gpu`; per
+        shard under a mesh) for 16-bit activations (the kernels' tiles are sized and timed for them)
+        with nope, rope and value head dims the kernels take. Elsewhere the XLA softmax."""
         if self.attention_impl != "auto":
             return self.attention_impl == "pallas"
+        import jax.numpy as jnp
+
         from ling_jax.ops.attention_pallas import supported
         from ling_jax.ops.pallas_gpu import on_gpu
 
-        return on_gpu() and supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        return (on_gpu() and jnp.dtype(dtype).itemsize == 2
+                and supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim))
 
     # ------------------------------------------------------------------ construction
     @classmethod

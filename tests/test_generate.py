@@ -156,8 +156,8 @@ def test_batch_invariance_and_sampling(debug_model):
 
 
 def test_batch_invariance_fused_attention():
-    """Left-padded prompts of mixed lengths with prefill's MLA through the fused kernels: padding
-    keys invisible, each prompt's greedy output as alone (interpret mode on CPU)."""
+    """Prompts of mixed lengths (right-padded by prefill) with its MLA through the fused kernels:
+    each prompt's greedy output as alone (interpret mode on CPU)."""
     cfg = LingConfig.preset("debug", qk_rope_head_dim=16, attention_impl="pallas")
     _batch_invariance_and_sampling(cfg, init_params(cfg, seed=3), sampling=False)
 

@@ -7,9 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import rel_l2
 
-from ling_jax.config import LingConfig
+from ling_jax.config import ConfigError, LingConfig
 from ling_jax.layers.kda import short_conv
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.layers.moe import route
@@ -102,6 +103,10 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     cfg = LingConfig.preset("debug")
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
     assert not cfg.pallas_decode("mla") and not cfg.pallas_decode("kda")
+    assert not dataclasses.replace(cfg, qk_rope_head_dim=16).pallas_attention(jnp.bfloat16)  # CPU: XLA
+    assert dataclasses.replace(cfg, qk_rope_head_dim=16, attention_impl="pallas").pallas_attention(jnp.float32)
+    with pytest.raises(ConfigError, match="attention_impl"):
+        dataclasses.replace(cfg, attention_impl="pallas")  # rope width 8: the kernels cannot tile it
     assert dataclasses.replace(cfg, decode_impl="pallas").pallas_decode("kda")
     monkeypatch.setattr(pallas_gpu, "on_gpu", lambda: True)  # an sm80+ NVIDIA GPU
     assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gemv"
@@ -110,6 +115,11 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")
     assert not dataclasses.replace(cfg, decode_impl="xla").pallas_decode("mla")
     assert not dataclasses.replace(cfg, head_dim=24).pallas_decode("kda")  # not a power of two
+    # the fused MLA attention: on a GPU for 16-bit activations and power-of-two head dims >= 16
+    fused = dataclasses.replace(cfg, qk_rope_head_dim=16)
+    assert fused.pallas_attention(jnp.bfloat16) and not fused.pallas_attention(jnp.float32)
+    assert not cfg.pallas_attention(jnp.bfloat16)  # debug's rope width 8
+    assert not dataclasses.replace(fused, attention_impl="xla").pallas_attention(jnp.bfloat16)
     w_in, w_out = (moe_ops.ExpertStack(jnp.zeros((2, 8, *s)), jnp.int32(1)) for s in ((64, 16), (16, 64)))
     assert moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.float32)
     assert not moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.bfloat16)  # would convert the whole stacks

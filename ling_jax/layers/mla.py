@@ -61,7 +61,8 @@ def mla_mixer(
 
     cos/sin: [B, T, d_r / 2] for the tokens' positions; mask_BTS: visibility (see ops.attention);
     `docs`: the same visibility as document numbers (`ops.attention_pallas.documents`), with which
-    the expanded form runs the fused kernels where `cfg.pallas_attention()`.
+    the expanded form runs the fused kernels where `cfg.pallas_attention` (attention_impl "pallas"
+    requires them; "auto" without them keeps the XLA softmax).
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
     query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; on
     an H200 the expanded form is 1.4-1.6x faster at 2k-16k tokens (`bench/prefill_mla.py`,
@@ -87,7 +88,10 @@ def mla_mixer(
         return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
     kv_BTHX = (c_BTR @ p["kv_b_proj"].astype(x_BTD.dtype)).reshape(b, t, h, dn + dv)
     k_nope, v_BTHV = jnp.split(kv_BTHX, [dn], axis=-1)
-    if docs is not None and cfg.pallas_attention():
+    if docs is None and cfg.attention_impl == "pallas":
+        raise ValueError("mla_mixer: attention_impl='pallas' needs `docs` (ops.attention_pallas.documents), "
+                         "not only a mask")
+    if docs is not None and cfg.pallas_attention(x_BTD.dtype):
         o_BTHV = _fused_attention(q_nope, q_rot, k_nope, k_rot_BTd, v_BTHV, docs, cfg)
         return mla_output(p, o_BTHV, x_BTD), {"latent": latent_BTW}
     q_BTHD = jnp.concatenate([q_nope, q_rot], axis=-1)

@@ -17,8 +17,9 @@ query t iff s <= t and doc_k[s] == doc_q[t], where doc_q numbers each row's docu
 (non-decreasing along T) and doc_k is doc_q at valid keys and -1 at padding (`documents`). Key
 blocks before the first query's document start (and query blocks past a key block's document end)
 are skipped, so packed documents cost only their own causal triangles. A query that sees no key
-(padding at the front of a row) gets a meaningless output; its cotangent must be zero (masked
-losses ensure it), as for the XLA path.
+(padding at the front of a row) gets a meaningless output and passes no gradient to any input (the
+XLA path's uniform softmax would pass its cotangent on to every value): only rows that see a key
+agree between the two, which is all a masked loss reads.
 
 Triton lowering on GPU (powers-of-two head dims, `supported`); interpret mode elsewhere (tests).
 """
@@ -54,8 +55,14 @@ class Blocks:
     warps_bwd: int = 4
     stages: int = 3  # H200, Ling-3.0-tiny training shape: fwd+bwd 8.4 ms (2 stages: 9.2 ms; bench/mla_attention.py)
 
+    def __post_init__(self) -> None:
+        tiles = (self.bq, self.bk, self.bq_dkv, self.bk_dkv, self.bq_dq, self.bk_dq)
+        if not all(is_pow2(b) and b >= 16 for b in tiles):
+            raise ValueError(f"Blocks: every tile must be a power of two >= 16 (Triton dots), got {tiles}")
+
     @property
     def pad_to(self) -> int:
+        """T is padded to this: a multiple of every tile (all powers of two)."""
         return max(self.bq, self.bk, self.bq_dkv, self.bk_dkv, self.bq_dq, self.bk_dq)
 
 

@@ -16,6 +16,8 @@ from tests.conftest import rel_l2
 
 SMALL = Blocks(bq=16, bk=16, bq_dkv=16, bk_dkv=16, bq_dq=16, bk_dq=16)
 MIXED = Blocks(bq=32, bk=16, bq_dkv=16, bk_dkv=32, bq_dq=32, bk_dq=16)
+# key blocks taller than query blocks (and the reverse in dK/dV): the bounds' rounding matters here
+TALL = Blocks(bq=16, bk=32, bq_dkv=32, bk_dkv=16, bq_dq=16, bk_dq=32)
 
 
 def _inputs(b: int, t: int, h: int, dn: int, dr: int, dv: int, dtype, seed: int = 0):
@@ -88,14 +90,25 @@ def test_matches_xla_float32(t, cuts, pad_front):
     _check(t, cuts, pad_front, jnp.float32, 1e-5, 1e-4, SMALL)
 
 
-@pytest.mark.parametrize("blocks", [SMALL, MIXED], ids=["square", "mixed"])
+@pytest.mark.parametrize("blocks", [SMALL, MIXED, TALL], ids=["square", "mixed", "tall"])
 def test_matches_xla_bfloat16(blocks):
     _check(70, [[9, 33], [50]], None, jnp.bfloat16, 2e-2, 3e-2, blocks)
 
 
-def test_long_documents_many_blocks():
+@pytest.mark.parametrize("blocks", [MIXED, TALL], ids=["mixed", "tall"])
+def test_long_documents_many_blocks(blocks):
     """Several query and key blocks per document, documents spanning block edges, skipped blocks."""
-    _check(160, [[47, 112], [80]], None, jnp.float32, 1e-5, 1e-4, MIXED, b=2, h=1, dn=16, dr=16, dv=16)
+    _check(160, [[47, 112], [80]], None, jnp.float32, 1e-5, 1e-4, blocks, b=2, h=1, dn=16, dr=16, dv=16)
+
+
+def test_tall_key_blocks():
+    """Key blocks taller than query blocks: a wrong rounding of the loop bounds drops keys."""
+    _check(75, [[5, 40], [33]], [0, 2], jnp.float32, 1e-5, 1e-4, TALL)
+
+
+def test_bad_tiles_raise():
+    with pytest.raises(ValueError, match="power of two"):
+        Blocks(bq=96)
 
 
 def test_documents():
@@ -118,7 +131,7 @@ def test_unsupported_head_dims_raise():
 def test_triton_lowering(h200_lowering):
     """The kernels (forward and both backward launches) lower to Triton for an H200 at Ling's head
     dims (nope 128, rope 64, v 128) with the default tiles."""
-    b, t, h = 1, 256, 2
+    b, t, h = 1, 384, 2  # 3 x 128: whole-sequence blocks of a length that is not a power of two
     bf = jnp.bfloat16
     sd = jax.ShapeDtypeStruct
 
