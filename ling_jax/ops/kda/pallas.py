@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +60,9 @@ def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential
 
 # ---------------------------------------------------------------------------------------------
 # block specs (chunk-parallel kernels: grid (B, H, NT); the backward's [C, K]-level kernels take one
-# block of key columns per program, grid (K / bk, B, H, NT): the key blocks of a chunk are adjacent in
-# launch order (Triton's fastest axis), so their shared [C, V] and [C, C] inputs are read from L2)
+# block of key columns per program, grid (K / bk, B, H, NT) on GPU: the key blocks of a chunk are
+# adjacent in launch order (Triton's fastest axis), so their shared [C, V] and [C, C] inputs are read
+# from L2; (B, H, NT, K / bk) on TPU, `Cfg.key_axis_last`)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -72,12 +73,20 @@ def _tok(cfg: Cfg, d: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, c, d), lambda b, h, t: (b, h, t, 0))
 
 
+def _kmap(cfg: Cfg, fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """An index map fn(j, b, h, t) of the key-block grid, taking its indices in the grid's order
+    (`Cfg.key_axis_last`: (B, H, NT, K / bk) on TPU, else (K / bk, B, H, NT))."""
+    if cfg.key_axis_last:
+        return lambda b, h, t, j: fn(j, b, h, t)
+    return fn
+
+
 def _tok_kb(cfg: Cfg, d: int) -> pl.BlockSpec:
     """[C, d] per token, the d-wide block numbered by the key-block grid axis."""
     c = cfg.chunk
     if cfg.layout == "bthd":
-        return pl.BlockSpec((None, c, None, d), lambda j, b, h, t: (b, t, h, j))
-    return pl.BlockSpec((None, None, c, d), lambda j, b, h, t: (b, h, t, j))
+        return pl.BlockSpec((None, c, None, d), _kmap(cfg, lambda j, b, h, t: (b, t, h, j)))
+    return pl.BlockSpec((None, None, c, d), _kmap(cfg, lambda j, b, h, t: (b, h, t, j)))
 
 
 def _msk(cfg: Cfg) -> pl.BlockSpec:
@@ -91,17 +100,17 @@ def _chk(r: int, d: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, None, r, d), lambda b, h, t: (b, h, t, 0, 0))
 
 
-def _chk_kb(r: int, d: int) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, None, r, d), lambda j, b, h, t: (b, h, t, 0, j))
+def _chk_kb(cfg: Cfg, r: int, d: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, None, r, d), _kmap(cfg, lambda j, b, h, t: (b, h, t, 0, j)))
 
 
 def _head(d: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, 1, d), lambda b, h, t: (h, 0, 0))
 
 
-def _kb(spec: pl.BlockSpec) -> pl.BlockSpec:
+def _kb(cfg: Cfg, spec: pl.BlockSpec) -> pl.BlockSpec:
     """A chunk-parallel spec for the key-block grid (the same block for every key block)."""
-    return pl.BlockSpec(spec.block_shape, lambda j, b, h, t: spec.index_map(b, h, t))
+    return pl.BlockSpec(spec.block_shape, _kmap(cfg, lambda j, b, h, t: spec.index_map(b, h, t)))
 
 
 def _tok_shape(cfg: Cfg, b: int, h: int, d: int) -> tuple[int, ...]:
@@ -114,10 +123,10 @@ def _input_specs(cfg: Cfg, kb: int = 0) -> list[pl.BlockSpec]:
     block of kb key columns of q, k, g, dt_bias."""
     if kb:
         cols = _tok_kb(cfg, kb)
-        specs = [cols, cols, cols, _kb(_tok(cfg, 1))]
+        specs = [cols, cols, cols, _kb(cfg, _tok(cfg, 1))]
         if cfg.gate is not None:
-            specs += [_kb(_head(1)), pl.BlockSpec((None, 1, kb), lambda j, b, h, t: (h, 0, j))]
-        return specs + [_kb(_msk(cfg))] * (3 if cfg.segments else 0)
+            specs += [_kb(cfg, _head(1)), pl.BlockSpec((None, 1, kb), _kmap(cfg, lambda j, b, h, t: (h, 0, j)))]
+        return specs + [_kb(cfg, _msk(cfg))] * (3 if cfg.segments else 0)
     specs = [_tok(cfg, cfg.dk)] * 3 + [_tok(cfg, 1)]
     if cfg.gate is not None:
         specs += [_head(1), _head(cfg.dk)]
@@ -382,6 +391,8 @@ def _bwd_intra(cfg: Cfg, beta, masks, v, do, vn, dvn, mmat, at):
 
 def _bwd_grid(cfg: Cfg, q: jax.Array, bk: int) -> tuple[int, int, int, int]:
     b, h = _num_heads(cfg, q)
+    if cfg.key_axis_last:
+        return b, h, cfg.n_chunks, cfg.dk // bk
     return cfg.dk // bk, b, h, cfg.n_chunks
 
 
@@ -391,13 +402,13 @@ def _bwd_dqkg(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, do, vn, dvn, hs,
     bk = cfg.bk_kv
     grid = _bwd_grid(cfg, q, bk)
     c, dv = cfg.chunk, cfg.dv
-    out_shape = [jax.ShapeDtypeStruct(q.shape, F32)] * 3 + [jax.ShapeDtypeStruct((grid[0], *beta.shape), F32)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, F32)] * 3 + [jax.ShapeDtypeStruct((cfg.dk // bk, *beta.shape), F32)]
     if cfg.layout == "bthd":  # dbeta's share of each key block: the block index leads (TPU lane blocks)
-        dbk_spec = pl.BlockSpec((None, None, c, None, 1), lambda j, b, h, t: (j, b, t, h, 0))
+        dbk_spec = pl.BlockSpec((None, None, c, None, 1), _kmap(cfg, lambda j, b, h, t: (j, b, t, h, 0)))
     else:
-        dbk_spec = pl.BlockSpec((None, None, None, c, 1), lambda j, b, h, t: (j, b, h, t, 0))
-    in_specs = [*_input_specs(cfg, kb=bk), *[_kb(_tok(cfg, 1))] * len(norms), *[_kb(_tok(cfg, dv))] * 3,
-                _chk_kb(dv, bk), _chk_kb(dv, bk), _kb(_tok(cfg, c))]
+        dbk_spec = pl.BlockSpec((None, None, None, c, 1), _kmap(cfg, lambda j, b, h, t: (j, b, h, t, 0)))
+    in_specs = [*_input_specs(cfg, kb=bk), *[_kb(cfg, _tok(cfg, 1))] * len(norms),
+                *[_kb(cfg, _tok(cfg, dv))] * 3, _chk_kb(cfg, dv, bk), _chk_kb(cfg, dv, bk), _kb(cfg, _tok(cfg, c))]
     return pl.pallas_call(
         functools.partial(pc.bwd_dqkg_kernel, cfg),
         out_shape=out_shape,
@@ -422,13 +433,14 @@ def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp,
                  jax.ShapeDtypeStruct(g.shape, g.dtype)]
     out_specs = [_tok_kb(cfg, bk)] * 3
     if cfg.gate is not None:
-        out_shape += [jax.ShapeDtypeStruct((grid[1], grid[2], grid[3], 1, dk), F32)] * 2
-        out_specs += [_chk_kb(1, bk)] * 2
+        b, h = _num_heads(cfg, q)
+        out_shape += [jax.ShapeDtypeStruct((b, h, cfg.n_chunks, 1, dk), F32)] * 2
+        out_specs += [_chk_kb(cfg, 1, bk)] * 2
     return pl.pallas_call(
         functools.partial(pc.bwd_pairs_kernel, cfg),
         out_shape=out_shape,
         grid=grid,
-        in_specs=[*_input_specs(cfg, kb=bk), *[_kb(_tok(cfg, 1))] * len(norms), *[_kb(_tok(cfg, c))] * 2,
+        in_specs=[*_input_specs(cfg, kb=bk), *[_kb(cfg, _tok(cfg, 1))] * len(norms), *[_kb(cfg, _tok(cfg, c))] * 2,
                   *[_tok_kb(cfg, bk)] * 3],
         out_specs=out_specs,
         compiler_params=_compiler_params(cfg, cfg.warps_bwd_pairs, cfg.stages_chunk, key_blocks=True),

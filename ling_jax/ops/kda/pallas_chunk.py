@@ -119,6 +119,14 @@ class Cfg:
     def layout(self) -> str:
         return "bthd" if self.backend == "triton" else "bhtd"
 
+    @property
+    def key_axis_last(self) -> bool:
+        """Where the backward's key-block grid axis goes: first on GPU (Triton's fastest axis: a chunk's
+        key blocks run together and share their [C, V] and [C, C] inputs through L2; last measured
+        slower on the H200), last on TPU (the leading "parallel" axes are then B and H, which a
+        megacore splits between its cores, never a key-block axis of size 1)."""
+        return self.backend == "tpu"
+
 
 # ----------------------------------------------------------------------------------------------
 # small helpers that lower on both Triton and Mosaic TPU
@@ -412,9 +420,10 @@ def inv_norms(cfg: Cfg, ins) -> tuple[jax.Array, jax.Array]:
     return lax.rsqrt(sq + 1e-6), lax.rsqrt(sk + 1e-6)
 
 
-def _chunk_index(key_grid: bool = False):
-    """The chunk's grid index: grid (B, H, NT), or (K / bk, B, H, NT) for one key block per program."""
-    return pl_program_id(3 if key_grid else 2)
+def _chunk_index(cfg: Cfg | None = None):
+    """The chunk's grid index: grid (B, H, NT); with `cfg`, the backward's key-block grid
+    (K / bk, B, H, NT), or (B, H, NT, K / bk) where `cfg.key_axis_last`."""
+    return pl_program_id(3 if cfg is not None and not cfg.key_axis_last else 2)
 
 
 def pl_program_id(axis: int):
@@ -601,7 +610,7 @@ def bwd_dqkg_kernel(cfg: Cfg, *refs):
     dqp_ref, dkp_ref, dGp_ref, dbeta_ref = refs[i + 6:i + 10]
     c, bk = cfg.chunk, cfg.bk_kv
     m, e, _ = _masks(cfg, ins)
-    p = block_prep(cfg, ins, _chunk_index(key_grid=True), slice(None), rq, rk)
+    p = block_prep(cfg, ins, _chunk_index(cfg), slice(None), rq, rk)
 
     def step(vc, acc):
         dqg, dkg, dw, dgam = acc
@@ -653,7 +662,7 @@ def bwd_pairs_kernel(cfg: Cfg, *refs):
     outs = refs[i + 5:]
     dq_ref, dk_ref, dg_ref = outs[:3]
     n = cfg.chunk // BC
-    p = block_prep(cfg, ins, _chunk_index(key_grid=True), slice(None), rq, rk)
+    p = block_prep(cfg, ins, _chunk_index(cfg), slice(None), rq, rk)
     d = decay(cfg, p.g, columns=True)
     qh, kh = p.q, p.k
     rx, ry, cx, cy = [], [], [], []
