@@ -30,7 +30,8 @@ MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = li
 # kernels on a GPU where the widths allow (LingConfig.pallas_decode)
 DECODE_IMPLS = ("auto", "xla", "pallas")
 # the MLA attention of prefill and training: the materialised XLA softmax (ops.attention) or the fused
-# flash kernels (ops.attention_pallas); "auto" picks the kernels on a GPU where the head dims allow
+# flash kernels (ops.attention_pallas); "auto" picks the kernels on a GPU for 16-bit activations where
+# the head dims allow (LingConfig.pallas_attention)
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # the widths each decode kernel needs as powers of two, with their least value (Triton tiles)
 PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),)}

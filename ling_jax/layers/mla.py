@@ -65,8 +65,8 @@ def mla_mixer(
     requires them; "auto" without them keeps the XLA softmax).
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
     query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; on
-    an H200 the expanded form is 1.4-1.6x faster at 2k-16k tokens (`bench/prefill_mla.py`,
-    BENCHMARKS.md), so prefill and training run it.
+    an H200 the expanded form is faster at 2k-16k tokens (1.4-1.6x through the XLA softmax, 2.5-8x
+    through the fused kernels; `bench/prefill_mla.py`, BENCHMARKS.md), so prefill and training run it.
     """
     b, t, _ = x_BTD.shape
     h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
