@@ -271,9 +271,14 @@ def test_gradients_through_pallas_kda_path():
     assert rel_l2(*grads) < 1e-5
 
 
+@pytest.mark.heavy
 def test_gradients_through_fused_attention():
     """Full-model gradients (packed batch: documents reset MLA) through the fused MLA attention
-    kernels (interpret mode on CPU, custom VJP) equal those through the materialised softmax."""
+    kernels (interpret mode on CPU, custom VJP) equal those through the materialised softmax.
+
+    Heavy (its own pytest process in CI): late in the default suite's process, XLA:CPU segfaulted
+    compiling this step (twice at 8500dc4, with a fresh and a warm compilation cache); alone, in
+    subsets of the suite and in the heavy run it passes. Root cause not found."""
     grads = []
     for impl in ("pallas", "xla"):
         cfg = LingConfig.preset("debug", **GRAD_SHAPE, **FUSED_ATTENTION[impl], kda_impl="chunked")
