@@ -56,14 +56,17 @@ class Blocks:
     stages: int = 3  # H200, Ling-3.0-tiny training shape: fwd+bwd 8.4 ms (2 stages: 9.2 ms; bench/mla_attention.py)
 
     def __post_init__(self) -> None:
-        tiles = (self.bq, self.bk, self.bq_dkv, self.bk_dkv, self.bq_dq, self.bk_dq)
-        if not all(is_pow2(b) and b >= 16 for b in tiles):
-            raise ValueError(f"Blocks: every tile must be a power of two >= 16 (Triton dots), got {tiles}")
+        if not all(is_pow2(b) and b >= 16 for b in self.tiles):
+            raise ValueError(f"Blocks: every tile must be a power of two >= 16 (Triton dots), got {self.tiles}")
+
+    @property
+    def tiles(self) -> tuple[int, ...]:
+        return self.bq, self.bk, self.bq_dkv, self.bk_dkv, self.bq_dq, self.bk_dq
 
     @property
     def pad_to(self) -> int:
         """T is padded to this: a multiple of every tile (all powers of two)."""
-        return max(self.bq, self.bk, self.bq_dkv, self.bk_dkv, self.bq_dq, self.bk_dq)
+        return max(self.tiles)
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -233,17 +236,18 @@ def _whole_stat(t: int) -> pl.BlockSpec:
 # ----------------------------------------------------------------------------------- calls
 
 
-def _bounds(doc_q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per token: the first index of its document and one past its last ([B, T] int32; doc_q sorted)."""
-    first = jax.vmap(lambda d: jnp.searchsorted(d, d, side="left"))(doc_q).astype(jnp.int32)
+def _visibility(doc_q: jax.Array, doc_k: jax.Array) -> tuple[jax.Array, ...]:
+    """(doc_q, doc_k, start, end) int32 [B, T]: with each token's first index of its document and one
+    past its last (doc_q sorted), which bound the kernels' block loops."""
+    start = jax.vmap(lambda d: jnp.searchsorted(d, d, side="left"))(doc_q).astype(jnp.int32)
     end = jax.vmap(lambda d: jnp.searchsorted(d, d, side="right"))(doc_q).astype(jnp.int32)
-    return first, end
+    return doc_q, doc_k, start, end
 
 
-def _forward(qn, qr, kn, kr, v, doc_q, doc_k, scale: float, blocks: Blocks, interpret: bool | None):
+def _forward(qn, qr, kn, kr, v, vis, scale: float, blocks: Blocks, interpret: bool | None):
     b, t, h, dn = qn.shape
     dr, dv = qr.shape[-1], v.shape[-1]
-    start, _ = _bounds(doc_q)
+    doc_q, doc_k, start, _ = vis
     bq, bk = blocks.bq, blocks.bk
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale2=scale * LOG2E, bq=bq, bk=bk),
@@ -258,10 +262,10 @@ def _forward(qn, qr, kn, kr, v, doc_q, doc_k, scale: float, blocks: Blocks, inte
     return o, lse
 
 
-def _backward(qn, qr, kn, kr, v, doc_q, doc_k, o, lse, do, scale: float, blocks: Blocks, interpret: bool | None):
+def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, interpret: bool | None):
     b, t, h, dn = qn.shape
     dr, dv = qr.shape[-1], v.shape[-1]
-    start, end = _bounds(doc_q)
+    doc_q, doc_k, start, end = vis
     delta = jnp.einsum("bthv,bthv->bht", o.astype(F32), do.astype(F32))  # [B, H, T]
     do = do.astype(v.dtype)
     opts = call_options(interpret, num_warps=blocks.warps_bwd, num_stages=blocks.stages)
@@ -294,20 +298,20 @@ def _backward(qn, qr, kn, kr, v, doc_q, doc_k, o, lse, do, scale: float, blocks:
     return dqn, dqr, dkn, jnp.sum(dkr_BTHR, axis=2).astype(kr.dtype), dvv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention(qn, qr, kn, kr, v, doc_q, doc_k, scale, blocks, interpret):
-    return _forward(qn, qr, kn, kr, v, doc_q, doc_k, scale, blocks, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(qn, qr, kn, kr, v, vis, scale, blocks, interpret):
+    return _forward(qn, qr, kn, kr, v, vis, scale, blocks, interpret)[0]
 
 
-def _attention_fwd(qn, qr, kn, kr, v, doc_q, doc_k, scale, blocks, interpret):
-    o, lse = _forward(qn, qr, kn, kr, v, doc_q, doc_k, scale, blocks, interpret)
-    return o, (qn, qr, kn, kr, v, doc_q, doc_k, o, lse)
+def _attention_fwd(qn, qr, kn, kr, v, vis, scale, blocks, interpret):
+    o, lse = _forward(qn, qr, kn, kr, v, vis, scale, blocks, interpret)
+    return o, (qn, qr, kn, kr, v, vis, o, lse)
 
 
 def _attention_bwd(scale, blocks, interpret, res, do):
-    qn, qr, kn, kr, v, doc_q, doc_k, o, lse = res
-    grads = _backward(qn, qr, kn, kr, v, doc_q, doc_k, o, lse, do, scale, blocks, interpret)
-    return (*grads, None, None)
+    qn, qr, kn, kr, v, vis, o, lse = res
+    grads = _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale, blocks, interpret)
+    return (*grads, (None,) * len(vis))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -335,5 +339,6 @@ def mla_attention_pallas(q_nope_BTHN: jax.Array, q_rope_BTHR: jax.Array, k_nope_
             pad, (q_nope_BTHN, q_rope_BTHR, k_nope_BTHN, k_rope_BTR, v_BTHV))
     dt = v_BTHV.dtype
     o = _attention(q_nope_BTHN.astype(dt), q_rope_BTHR.astype(dt), k_nope_BTHN.astype(dt), k_rope_BTR.astype(dt),
-                   v_BTHV, doc_q_BT.astype(jnp.int32), doc_k_BT.astype(jnp.int32), scale, blocks, interpret)
+                   v_BTHV, _visibility(doc_q_BT.astype(jnp.int32), doc_k_BT.astype(jnp.int32)), scale, blocks,
+                   interpret)
     return o[:, :t]
