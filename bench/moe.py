@@ -8,18 +8,21 @@ D 4096, I 1280, E 512, k 8) and each token count N (default 4k, 16k, 64k tokens 
 
   * routing: the real router (`layers.moe.route`: sigmoid, group-limited top-k) on random
     activations and random router weights, so the per-expert loads are uneven like a real layer's;
-  * per implementation (`ragged` = jax.lax.ragged_dot, `mgpu` = Pallas Mosaic-GPU grouped matmul,
-    `gmm` = TPU megablox; the ones that can run on this backend):
+  * per implementation (`ragged` = jax.lax.ragged_dot, `aligned` = our Mosaic-GPU grouped matmul
+    over tile-aligned rows, `mgpu` = JAX's Mosaic-GPU `ragged_dot_mgpu`, `gmm` = TPU megablox; the
+    ones that can run on this backend):
       - `experts`: `ops.moe.routed_experts` forward — sort by expert, gather, the three grouped
         matmuls + SwiGLU, scatter back, weighted combine;
-      - `gmm_only`: just the three grouped matmuls + SwiGLU on rows already sorted;
+      - `gmm_only`: just the three grouped matmuls + SwiGLU on rows already sorted (laid out as
+        the implementation takes them);
       - `experts_fwd_bwd`: forward + backward of `experts` (grads of x and of the three weights);
   * `dense`: one bf16 matmul [N·k, D] x [D, 3·I] — the same FLOPs as the routed forward, measured in
     the same run (and its fwd+bwd counterpart, 3x the FLOPs).
 
 Time = median of warmed-up calls, each ended by `block_until_ready`. FLOPs count only routed work:
 2·3·N·k·D·I forward (3x that forward+backward). `ratio_to_dense` = dense time / our time at equal
-FLOPs (goal: >= 0.6 at 16k tokens). The JSON (device, versions, date, command, every measurement)
+FLOPs (goal: >= 0.6 at 16k tokens), the dense matmul timed before and after the implementations
+and the faster time taken. The JSON (device, versions, date, command, every measurement)
 goes to --out (a file, or a directory that receives moe_bench.json).
 """
 
@@ -71,10 +74,10 @@ def timeit(fn, *args) -> dict[str, float]:
 
 def impls_for_backend(backend: str) -> list[str]:
     if backend == "gpu":
-        return ["ragged", "mgpu"]
+        return ["ragged", "aligned", "mgpu"]
     if backend == "tpu":
         return ["ragged", "gmm"]
-    return ["ragged", "mgpu", "gmm"]  # CPU smoke: the kernels in interpret mode
+    return ["ragged", "aligned", "mgpu", "gmm"]  # CPU smoke: the kernels in interpret mode
 
 
 def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype: Any, seed: int = 0
@@ -94,30 +97,34 @@ def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype
                            "load_max_over_mean": float(counts.max() / counts.mean()),
                            "empty_experts": int((counts == 0).sum())}
 
-    # dense matmul of the same FLOPs: [N*k, D] x [D, 3I]
+    # dense matmul of the same FLOPs: [N*k, D] x [D, 3I], timed before and after the implementations
+    # (its rate moved by up to 20% between device calls); ratios use the faster of the two
     a_MD = jax.random.normal(keys[5], (n * k, d), dtype)
     b_DF = (jax.random.normal(keys[2], (d, 3 * i), dtype) * d**-0.5).astype(dtype)
     dense = jax.jit(lambda a, b: a @ b)
-    row["dense"] = timeit(dense, a_MD, b_DF)
-    row["dense"]["tflops"] = flops_fwd / row["dense"]["median_s"] / 1e12
-    if backward:
-        dense_bwd = jax.jit(jax.grad(lambda a, b: jnp.sum((a @ b).astype(jnp.float32)), argnums=(0, 1)))
-        row["dense_fwd_bwd"] = timeit(dense_bwd, a_MD, b_DF)
-        row["dense_fwd_bwd"]["tflops"] = 3 * flops_fwd / row["dense_fwd_bwd"]["median_s"] / 1e12
-    del a_MD
+    dense_bwd = jax.jit(jax.grad(lambda a, b: jnp.sum((a @ b).astype(jnp.float32)), argnums=(0, 1)))
 
-    order = jnp.argsort(idx_NK.reshape(-1), stable=True)
-    xs_MD = x_ND[order // k]
-    gs_E = jnp.bincount(idx_NK.reshape(-1), length=e).astype(jnp.int32)
+    def time_dense(when: str) -> None:
+        for name, fn, f in (("dense", dense, flops_fwd), ("dense_fwd_bwd", dense_bwd, 3 * flops_fwd))[:1 + backward]:
+            t = timeit(fn, a_MD, b_DF)
+            row.setdefault(f"{name}_runs", {})[when] = t
+            if name not in row or t["median_s"] < row[name]["median_s"]:
+                row[name] = dict(t, tflops=f / t["median_s"] / 1e12)
+
+    time_dense("before")
+
     for impl in impls:
+        rows = moe_ops.sorted_rows(idx_NK.reshape(-1), e, n * k, aligned=impl == "aligned")
+        xs_MD = moe_ops.dispatch(x_ND, rows.copy_S, rows.slot_M)
         res: dict[str, Any] = {}
         try:
             experts = jax.jit(functools.partial(moe_ops.routed_experts, impl=impl))
             res["experts"] = timeit(experts, x_ND, idx_NK, w_NK, wg_EDI, wu_EDI, wd_EID)
-            interpreted = impl == "mgpu" and jax.default_backend() != "gpu"  # slow: 1-10 s a call on CPU
+            interpreted = impl in ("mgpu", "aligned") and jax.default_backend() != "gpu"  # 1-10 s a call on CPU
             if not interpreted:
-                gmm_only = jax.jit(functools.partial(moe_ops.expert_ffn_sorted, limit=0.0, impl=impl))
-                res["gmm_only"] = timeit(gmm_only, xs_MD, gs_E, wg_EDI, wu_EDI, wd_EID)
+                gmm_only = jax.jit(functools.partial(moe_ops.expert_ffn_sorted, limit=0.0, impl=impl,
+                                                     tile_group_T=rows.tile_group_T))
+                res["gmm_only"] = timeit(gmm_only, xs_MD, rows.group_sizes_L, wg_EDI, wu_EDI, wd_EID)
             if interpreted:
                 ref = moe_ops.routed_experts(x_ND, idx_NK, w_NK, wg_EDI, wu_EDI, wd_EID, impl="ragged")
                 got = experts(x_ND, idx_NK, w_NK, wg_EDI, wu_EDI, wd_EID)
@@ -134,7 +141,10 @@ def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype
         except Exception as err:  # one failing implementation must not lose the others' numbers
             res["error"] = f"{type(err).__name__}: {err}"[:2000]
             traceback.print_exc()
-        for name, r in res.items():
+        row[impl] = res
+    time_dense("after")
+    for impl in impls:
+        for name, r in row[impl].items():
             if isinstance(r, dict):
                 f = flops_fwd * (3 if name.endswith("fwd_bwd") else 1)
                 dense_t = row["dense_fwd_bwd" if name.endswith("fwd_bwd") else "dense"]["median_s"] \
@@ -142,7 +152,6 @@ def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype
                 r["tflops"] = f / r["median_s"] / 1e12
                 if dense_t is not None:
                     r["ratio_to_dense"] = dense_t / r["median_s"]
-        row[impl] = res
     return row
 
 
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impls or impls_for_backend(backend)
     bad = [i for i in impls if i not in moe_ops.IMPLS or i in ("auto", "dense")]
     if bad:
-        ap.error(f"--impls {bad}: choose from ragged, mgpu, gmm")
+        ap.error(f"--impls {bad}: choose from ragged, aligned, mgpu, gmm")
     tokens = [64] if args.smoke else args.tokens
     if args.smoke:
         REPS.update(min_reps=1, max_reps=2, budget_s=0.0)
@@ -188,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for m, model in enumerate(args.models):
         cfg = LingConfig.preset(MODELS[model], **(SMOKE_SHAPE if args.smoke else {}))
         # smoke: the Mosaic-GPU interpreter takes ~10 s a call on CPU, and every smoke shape is the same
-        run = [i for i in impls if not (args.smoke and m > 0 and i == "mgpu" and backend != "gpu")]
+        run = [i for i in impls if not (args.smoke and m > 0 and i in ("mgpu", "aligned") and backend != "gpu")]
         for n in tokens:
             print(f"== {model} N={n}", flush=True)
             row = bench_shape(cfg, n, run, backward=not args.no_backward, dtype=jnp.bfloat16)

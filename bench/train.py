@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 import traceback
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--remat", nargs="+", default=["full", "dots"])
     ap.add_argument("--kda-impl", nargs="+", default=["pallas", "chunked"])
+    ap.add_argument("--moe-impl", nargs="+", default=["auto"], help="the config's moe_impl (e.g. aligned, mgpu)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--profile", help="also trace two steps into this folder and record the per-kernel / "
@@ -79,47 +81,47 @@ def main() -> None:
     print(f"bf16 matmul {measured / 1e12:.0f} TFLOP/s measured; datasheet peak "
           f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}", flush=True)
     data = batch(base, args.batch_size, args.seq_len, 0)
-    for impl in args.kda_impl:
-        cfg = dataclasses.replace(base, kda_impl=impl)
-        for remat in args.remat:
-            tcfg = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, remat=remat,
-                               compute_dtype="bfloat16", mtp_loss_weight=0.0)
-            opt = make_optimizer(cfg, tcfg)
-            try:
-                params = random_params(cfg, jnp.float32)
-                state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0),
-                         "bad_steps": jnp.int32(0)}
-                step = jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
-                t0 = time.perf_counter()
-                state, m = step(state, data)
-                jax.block_until_ready(m)
-                compile_s = time.perf_counter() - t0
-                holder = {"s": state}
+    for impl, moe_impl, remat in itertools.product(args.kda_impl, args.moe_impl, args.remat):
+        cfg = dataclasses.replace(base, kda_impl=impl, moe_impl=moe_impl)
+        tcfg = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, remat=remat,
+                           compute_dtype="bfloat16", mtp_loss_weight=0.0)
+        opt = make_optimizer(cfg, tcfg)
+        try:
+            params = random_params(cfg, jnp.float32)
+            state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0),
+                     "bad_steps": jnp.int32(0)}
+            step = jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
+            t0 = time.perf_counter()
+            state, m = step(state, data)
+            jax.block_until_ready(m)
+            compile_s = time.perf_counter() - t0
+            holder = {"s": state}
 
-                def one(holder=holder, step=step):
-                    holder["s"], met = step(holder["s"], data)
-                    return met
+            def one(holder=holder, step=step):
+                holder["s"], met = step(holder["s"], data)
+                return met
 
-                dt = median_time(one, reps=args.steps, warmup=1)
-                met = jax.device_get(one())
-                tok_s = args.batch_size * args.seq_len / dt
-                flops = train_flops_per_token(cfg, args.seq_len) * tok_s
-                run = {"kda_impl": impl, "remat": remat, "step_s": dt, "tokens_per_s": tok_s,
-                       "model_tflops_per_s": flops / 1e12, "mfu_datasheet": None if peak is None else flops / peak,
-                       "mfu_measured_matmul": flops / measured, "loss": float(met["loss"]),
-                       "first_step_s_incl_compile": compile_s,
-                       "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9}
-                if args.profile:
-                    run["profile"] = device_profile(one, f"{args.profile}/{impl}_{remat}", calls=2, top=30)
-                    print_profile(run["profile"])
-                del holder, state, params
-            except Exception as e:  # record an OOM or compile failure for this variant and go on
-                traceback.print_exc()
-                run = {"kda_impl": impl, "remat": remat, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-            result["runs"].append(run)
-            write_json(args.out, result)
-            shown = {k: v for k, v in run.items() if k != "profile"}
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}, flush=True)
+            dt = median_time(one, reps=args.steps, warmup=1)
+            met = jax.device_get(one())
+            tok_s = args.batch_size * args.seq_len / dt
+            flops = train_flops_per_token(cfg, args.seq_len) * tok_s
+            run = {"kda_impl": impl, "moe_impl": moe_impl, "remat": remat, "step_s": dt, "tokens_per_s": tok_s,
+                   "model_tflops_per_s": flops / 1e12, "mfu_datasheet": None if peak is None else flops / peak,
+                   "mfu_measured_matmul": flops / measured, "loss": float(met["loss"]),
+                   "first_step_s_incl_compile": compile_s,
+                   "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9}
+            if args.profile:
+                run["profile"] = device_profile(one, f"{args.profile}/{impl}_{moe_impl}_{remat}", calls=2, top=30)
+                print_profile(run["profile"])
+            del holder, state, params
+        except Exception as e:  # record an OOM or compile failure for this variant and go on
+            traceback.print_exc()
+            run = {"kda_impl": impl, "moe_impl": moe_impl, "remat": remat,
+                   "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        result["runs"].append(run)
+        write_json(args.out, result)
+        shown = {k: v for k, v in run.items() if k != "profile"}
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()}, flush=True)
     print(f"wrote {write_json(args.out, result)}")
 
 

@@ -24,7 +24,7 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
-MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
+MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
 # the decode step's attention ops: XLA (ops.mla_decode's blocked loop, ops.kda.decode's fused step)
 # or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" picks the
 # kernels on a GPU where the widths allow (LingConfig.pallas_decode)

@@ -4,6 +4,7 @@ and the golden checkpoints (copied from ../shared/golden into tests/golden)."""
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 
 import jax
@@ -57,3 +58,26 @@ def h200_lowering(monkeypatch):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
     return lower
+
+
+class _JaxWithCores(types.ModuleType):
+    """`jax` for transposed_ragged_dot_mgpu, which reads `jax.devices()[0].core_count` (a GPU attribute)."""
+
+    def __init__(self):
+        super().__init__("jax")
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    @staticmethod
+    def devices():
+        return [types.SimpleNamespace(core_count=4)]
+
+
+@pytest.fixture
+def mgpu_dw_on_cpu(monkeypatch):
+    """Lets JAX's `transposed_ragged_dot_mgpu` (the dW of the "mgpu" and "aligned" MoE kernels) run in
+    the Mosaic-GPU interpreter here: it sizes its grid by the GPU's SM count, which a CPU lacks."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", _JaxWithCores())

@@ -13,7 +13,6 @@ import functools
 import socket
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import jax
@@ -340,28 +339,10 @@ def test_moe_gemv_impl_under_a_mesh():
 # ----------------------------------------------------------------------------- grouped-matmul kernels
 
 
-class _JaxWithCores(types.ModuleType):
-    """`jax` for transposed_ragged_dot_mgpu, which reads `jax.devices()[0].core_count` (a GPU attribute)."""
-
-    def __init__(self):
-        super().__init__("jax")
-
-    def __getattr__(self, name):
-        return getattr(jax, name)
-
-    @staticmethod
-    def devices():
-        return [types.SimpleNamespace(core_count=4)]
-
-
 @pytest.mark.parametrize("kernel", ["mgpu", "gmm"])
-def test_kernel_ragged_dot_matches_ragged_dot(kernel, monkeypatch):
+def test_kernel_ragged_dot_matches_ragged_dot(kernel, mgpu_dw_on_cpu):
     """Forward, dX and dW of the Pallas grouped matmul (interpret mode) = jax.lax.ragged_dot's, including an
     empty group and rows past sum(group_sizes)."""
-    if kernel == "mgpu":
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-        monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", _JaxWithCores())
     dt = jnp.bfloat16 if kernel == "mgpu" else jnp.float32  # wgmma takes 16-bit inputs
     rng = np.random.default_rng(5)
     m, kd, n = 150, 96, 40
@@ -387,14 +368,10 @@ def test_kernel_ragged_dot_matches_ragged_dot(kernel, monkeypatch):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("kernel", ["mgpu", "gmm"])
-def test_routed_experts_kernels_equal_dense(kernel, monkeypatch):
-    if kernel == "mgpu":
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-        monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", _JaxWithCores())
+def test_routed_experts_kernels_equal_dense(kernel, mgpu_dw_on_cpu):
     rng = np.random.default_rng(6)
     n, d, e, i, k = 24, 64, 4, 64, 2
-    dt = jnp.bfloat16 if kernel == "mgpu" else jnp.float32
+    dt = jnp.float32 if kernel == "gmm" else jnp.bfloat16  # wgmma takes 16-bit inputs
     x = jnp.asarray(rng.standard_normal((n, d)), dt)
     ws = [jnp.asarray(rng.standard_normal(s) * 0.2, dt) for s in ((e, d, i), (e, d, i), (e, i, d))]
     idx = jnp.asarray(np.tile([1, 3], (n, 1)), jnp.int32)  # skew: experts 0 and 2 get nothing

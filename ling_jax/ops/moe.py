@@ -9,9 +9,15 @@ Both sort the token copies by expert and run one grouped matmul per projection o
 `impl` picks the grouped matmul:
 
   ragged  `jax.lax.ragged_dot` (XLA; every backend; slow on GPU: 8–11 TFLOP/s on an H200)
+  aligned each expert's copies start on a row tile (the rest of its last tile zero), and our
+          persistent warp-specialised Mosaic-GPU kernel (`ops.aligned_gmm`) runs the forward and
+          dX, JAX's `transposed_ragged_dot_mgpu` dW, behind a custom VJP. Hopper (sm90) only;
+          elsewhere it runs in the Mosaic-GPU interpreter (tests). On an H200 at Ling-3.0-tiny's
+          MoE shape, 16k tokens: 0.75-0.86 of a dense matmul's rate where mgpu reaches 0.30-0.54
+          (BENCHMARKS.md).
   mgpu    JAX's Pallas Mosaic-GPU kernels (`ragged_dot_mgpu` for the forward and dX with
-          transposed weights, `transposed_ragged_dot_mgpu` for dW) behind a custom VJP. Hopper
-          (sm90) only; elsewhere it runs in the Mosaic-GPU interpreter (tests).
+          transposed weights, `transposed_ragged_dot_mgpu` for dW) behind a custom VJP on rows
+          packed without gaps. Hopper (sm90) only; elsewhere the Mosaic-GPU interpreter.
   gmm     the TPU megablox kernels (`gmm`, `tgmm`) behind the same custom VJP; interpret mode
           off-TPU (tests).
   dense   every expert on every token, then a gather: the reference the others are tested
@@ -25,7 +31,7 @@ Both sort the token copies by expert and run one grouped matmul per projection o
           passed to the kernel is first copied whole.
   auto    at most GATHER_MAX_COPIES token copies (decode): gemv on one GPU when the weights are
           `ExpertStack`s the kernel can tile (H200, Ling-3.0-tiny MoE layer at batch 1: 28 vs
-          115 us, BENCHMARKS.md), else gather; beyond (prefill, training): mgpu on an sm90 GPU
+          115 us, BENCHMARKS.md), else gather; beyond (prefill, training): aligned on an sm90 GPU
           with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
 Every grouped matmul here has `jax.lax.ragged_dot`'s semantics, including rows past
@@ -44,10 +50,10 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
-from ling_jax.ops import expert_gemv
+from ling_jax.ops import aligned_gmm, expert_gemv
 from ling_jax.ops.pallas_gpu import one_gpu
 
-IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "mgpu", "gmm")
+IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
@@ -123,7 +129,7 @@ def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked
     if backend == "tpu":
         return "gmm"
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and _is_sm90():
-        return "mgpu"
+        return "aligned"
     return "ragged"
 
 
@@ -250,19 +256,48 @@ def _krd_bwd(kernel, full, res, dy_MN):
 kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
 
 
+@jax.custom_vjp
+def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array,
+                       group_sizes_G: jax.Array) -> jax.Array:
+    """Row tile t of x times w[tile_group[t]] through `aligned_gmm` ([S, K] x [G, K, N] -> [S, N]),
+    differentiable; group g's rows are `group_sizes[g]` (a multiple of the tile height) from its
+    first tile on, tiles of group -1 are zero. dX: the same kernel with the weights transposed;
+    dW: `transposed_ragged_dot_mgpu` over those group sizes."""
+    return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T)
+
+
+def _ard_fwd(x_SK, w_GKN, tile_group_T, group_sizes_G):
+    return aligned_ragged_dot(x_SK, w_GKN, tile_group_T, group_sizes_G), (x_SK, w_GKN, tile_group_T, group_sizes_G)
+
+
+def _ard_bwd(res, dy_SN):
+    x_SK, w_GKN, tile_group_T, gs_G = res
+    dy_SN = dy_SN.astype(x_SK.dtype)
+    dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True)
+    return dx_SK, _mgpu_dw(x_SK, dy_SN, gs_G).astype(w_GKN.dtype), None, None
+
+
+aligned_ragged_dot.defvjp(_ard_fwd, _ard_bwd)
+
+
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str,
-                   full: bool = False) -> jax.Array:
+                   full: bool = False, tile_group_T: jax.Array | None = None) -> jax.Array:
     """Rows sorted by group: row block g of x times w[g]; [M, K] x [G, K, N] -> [M, N] in x's dtype.
 
-    Rows past sum(group_sizes) are zero. `impl`: "ragged", "mgpu" or "gmm" (see the module doc);
-    `full`: the caller guarantees sum(group_sizes) = M.
+    Rows past sum(group_sizes) are zero. `impl`: "ragged", "aligned", "mgpu" or "gmm" (see the
+    module doc); `full`: the caller guarantees sum(group_sizes) = M. "aligned" takes the rows in
+    whole tiles per group (`AlignedRows`): `tile_group_T` names each tile's group.
     """
     w_GKN = w_GKN.astype(x_MK.dtype)
+    if impl == "aligned":
+        if tile_group_T is None:
+            raise ValueError("grouped_matmul impl='aligned' needs tile_group_T (rows laid out by AlignedRows)")
+        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T, group_sizes_G)
     if impl == "ragged":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if impl in KERNELS:
         return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl, full)
-    raise ValueError(f"grouped_matmul impl={impl!r}: must be 'ragged' or one of {KERNELS}")
+    raise ValueError(f"grouped_matmul impl={impl!r}: must be 'ragged', 'aligned' or one of {KERNELS}")
 
 
 # ----------------------------------------------------------------------------- experts
@@ -275,14 +310,16 @@ def combine(y_NKD: jax.Array, w_NK: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged",
-                      full: bool = False) -> jax.Array:
+                      full: bool = False, tile_group_T: jax.Array | None = None) -> jax.Array:
     """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
 
     Rows past sum(group_sizes) come out zero; `full`: the caller guarantees they sum to M.
+    "aligned": the rows in whole tiles per expert, `tile_group_T` and group sizes from `AlignedRows`
+    (padding rows must be zero: they then stay zero through the SwiGLU).
     """
-    g_MI = grouped_matmul(x_MD, w_gate, group_sizes_E, impl=impl, full=full)
-    u_MI = grouped_matmul(x_MD, w_up, group_sizes_E, impl=impl, full=full)
-    return grouped_matmul(swiglu_act(g_MI, u_MI, limit), w_down, group_sizes_E, impl=impl, full=full)
+    mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=impl, full=full,
+                           tile_group_T=tile_group_T)
+    return mm(swiglu_act(mm(x_MD, w_gate), mm(x_MD, w_up), limit), w_down)
 
 
 def routed_partial(
@@ -343,15 +380,10 @@ def routed_partial(
         return combine(y_NKD, jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
     key_M = jnp.where(is_local_NK, local_NK, n_local).reshape(-1)  # non-local copies sort last
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
-    order_M = jnp.argsort(key_M, stable=True)
-    # pos_M: where each copy lands in the sorted order (copies at >= cap are not computed)
-    pos_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(n * k, dtype=order_M.dtype), unique_indices=True)
-    order_C = order_M[:cap]
-    group_sizes_L = counts(key_M, n_local)
-    n_valid = jnp.sum(group_sizes_L)  # the local copies: sorted positions [0, n_valid)
-    y_sorted_CD = expert_ffn_sorted(dispatch(x_ND, order_C, pos_M, n_valid), group_sizes_L, w_gate_LDI, w_up_LDI,
-                                    w_down_LID, limit, impl, full=all_local and cap == n * k)
-    return combine(undispatch(y_sorted_CD, order_C, pos_M, n_valid).reshape(n, k, -1), w_NK, jnp.float32)
+    rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
+    y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M), rows.group_sizes_L, w_gate_LDI, w_up_LDI,
+                             w_down_LID, limit, impl, full=all_local and cap == n * k, tile_group_T=rows.tile_group_T)
+    return combine(undispatch(y_SD, rows.copy_S, rows.slot_M).reshape(n, k, -1), w_NK, jnp.float32)
 
 
 def routed_experts(
@@ -385,51 +417,99 @@ def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- dispatch
-# The sorted order is a permutation of the N * k token copies, so both directions are gathers and
-# the transpose of each is the other one's gather: no scatter in the forward or the backward (XLA's
-# scatter-add of [N * k, D] rows broadcasts a u32 index per element, 1.6 GB at 32k tokens x top-8).
+# Rows of the grouped matmuls: the token copies sorted by expert, packed (row r = sorted copy r) or
+# aligned (each expert's copies from a tile boundary on, zero rows between). Both directions of the
+# dispatch are gathers and the transpose of each is the other one's gather: no scatter in the
+# forward or the backward (XLA's scatter-add of [N * k, D] rows broadcasts a u32 index per element,
+# 1.6 GB at 32k tokens x top-8).
 
 
-def _copies_of(y_CD: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """Rows of y [C, D] for every token copy [M, D], in token order; copies at pos >= n_valid (not
-    computed: other devices' experts, padding) are zero whatever those rows of y hold."""
-    got = y_CD[jnp.minimum(pos_M, y_CD.shape[0] - 1)]
-    return jnp.where((pos_M < n_valid)[:, None], got, jnp.zeros((), y_CD.dtype))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SortedRows:
+    """Where the token copies sit in the grouped matmul's S rows: `copy_S` [S] the copy each row
+    holds (M = N * k: none, a zero row), `slot_M` [M] the row of each copy (S: not computed), the
+    rows per expert `group_sizes_L` as the grouped matmul takes them, and (aligned) each row tile's
+    expert `tile_group_T` (-1: past the last)."""
+
+    copy_S: jax.Array
+    slot_M: jax.Array
+    group_sizes_L: jax.Array
+    tile_group_T: jax.Array | None
+
+
+def sorted_rows(key_M: jax.Array, n_local: int, cap: int, aligned: bool) -> SortedRows:
+    """The rows for copies whose expert is `key_M` (n_local: not computed here), at most `cap` of
+    them local: packed into `cap` rows, or (`aligned`) each expert's from a tile of
+    `aligned_gmm.TILES.m` rows on, in `aligned_gmm.num_tiles(cap, n_local)` tiles."""
+    m = key_M.shape[0]
+    order_M = jnp.argsort(key_M, stable=True)  # copies in sorted order
+    pos_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(m, dtype=order_M.dtype), unique_indices=True)
+    gs_L = counts(key_M, n_local)
+    n_valid = jnp.sum(gs_L)  # the local copies: sorted positions [0, n_valid)
+    if not aligned:
+        copy_S = jnp.where(jnp.arange(cap) < n_valid, order_M[:cap], m)
+        return SortedRows(copy_S, jnp.where(pos_M < n_valid, pos_M, cap), gs_L, None)
+    tm = aligned_gmm.TILES.m
+    n_tiles = aligned_gmm.num_tiles(cap, n_local, tm)
+    first_L, tile_group_T = aligned_gmm.tile_layout(gs_L, n_tiles, tm)
+    shift_L = first_L * tm - (jnp.cumsum(gs_L) - gs_L)  # sorted position -> row, per expert
+    e_M = jnp.minimum(key_M, n_local - 1)
+    slot_M = jnp.where(key_M < n_local, pos_M + shift_L[e_M], n_tiles * tm)
+    row_S = jnp.arange(n_tiles * tm, dtype=pos_M.dtype)
+    g_S = jnp.maximum(tile_group_T[row_S // tm], 0)
+    sorted_S = row_S - shift_L[g_S]
+    held_S = (tile_group_T[row_S // tm] >= 0) & (row_S - first_L[g_S] * tm < gs_L[g_S])
+    copy_S = jnp.where(held_S, order_M[jnp.clip(sorted_S, 0, m - 1)], m)
+    # computed once: fused into the [S, D] row gathers, XLA would redo these index gathers per
+    # element (H200, Ling-3.0-tiny, 16k tokens: the routed forward took 8.5 ms around 1.4 ms of matmuls)
+    copy_S, slot_M = jax.lax.optimization_barrier((copy_S, slot_M))
+    return SortedRows(copy_S, slot_M, (gs_L + tm - 1) // tm * tm, tile_group_T)
+
+
+def _copies_of(y_SD: jax.Array, slot_M: jax.Array) -> jax.Array:
+    """Rows of y [S, D] for every token copy [M, D], in token order; copies at slot S (not
+    computed: other devices' experts, padding) are zero."""
+    got = y_SD[jnp.minimum(slot_M, y_SD.shape[0] - 1)]
+    return jnp.where((slot_M < y_SD.shape[0])[:, None], got, jnp.zeros((), y_SD.dtype))
 
 
 @jax.custom_vjp
-def dispatch(x_ND: jax.Array, order_C: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """x_ND[order_C // k] [C, D]: the first C token copies in sorted order (k = M / N copies a token)."""
-    return x_ND[order_C // (pos_M.shape[0] // x_ND.shape[0])]
+def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.Array:
+    """The grouped matmul's rows [S, D]: row s holds token copy copy_S[s] (a token has k = M / N
+    copies), zero where it holds none."""
+    m = slot_M.shape[0]
+    got = x_ND[jnp.minimum(copy_S, m - 1) // (m // x_ND.shape[0])]
+    return jnp.where((copy_S < m)[:, None], got, jnp.zeros((), x_ND.dtype))
 
 
-def _dispatch_fwd(x_ND, order_C, pos_M, n_valid):
-    return dispatch(x_ND, order_C, pos_M, n_valid), (x_ND.shape[0], pos_M, n_valid)
+def _dispatch_fwd(x_ND, copy_S, slot_M):
+    return dispatch(x_ND, copy_S, slot_M), (x_ND.shape[0], slot_M)
 
 
-def _dispatch_bwd(res, dy_CD):
-    n, pos_M, n_valid = res
-    dx_ND = _copies_of(dy_CD, pos_M, n_valid).reshape(n, -1, dy_CD.shape[-1]).sum(axis=1, dtype=jnp.float32)
-    return dx_ND.astype(dy_CD.dtype), None, None, None
+def _dispatch_bwd(res, dy_SD):
+    n, slot_M = res
+    dx_ND = _copies_of(dy_SD, slot_M).reshape(n, -1, dy_SD.shape[-1]).sum(axis=1, dtype=jnp.float32)
+    return dx_ND.astype(dy_SD.dtype), None, None
 
 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 @jax.custom_vjp
-def undispatch(y_CD: jax.Array, order_C: jax.Array, pos_M: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """The expert outputs back in token-copy order [M, D] (copies at pos >= n_valid: zero)."""
-    return _copies_of(y_CD, pos_M, n_valid)
+def undispatch(y_SD: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.Array:
+    """The expert outputs back in token-copy order [M, D] (copies not computed: zero)."""
+    return _copies_of(y_SD, slot_M)
 
 
-def _undispatch_fwd(y_CD, order_C, pos_M, n_valid):
-    return undispatch(y_CD, order_C, pos_M, n_valid), (order_C, n_valid)
+def _undispatch_fwd(y_SD, copy_S, slot_M):
+    return undispatch(y_SD, copy_S, slot_M), copy_S
 
 
-def _undispatch_bwd(res, dy_MD):
-    order_C, n_valid = res
-    keep_C = jnp.arange(order_C.shape[0]) < n_valid
-    return jnp.where(keep_C[:, None], dy_MD[order_C], jnp.zeros((), dy_MD.dtype)), None, None, None
+def _undispatch_bwd(copy_S, dy_MD):
+    m = dy_MD.shape[0]
+    dy_SD = jnp.where((copy_S < m)[:, None], dy_MD[jnp.minimum(copy_S, m - 1)], jnp.zeros((), dy_MD.dtype))
+    return dy_SD, None, None
 
 
 undispatch.defvjp(_undispatch_fwd, _undispatch_bwd)

@@ -1,0 +1,188 @@
+"""Grouped matmul over rows laid out in whole tiles per group: a persistent, warp-specialised Mosaic
+GPU kernel for Hopper (sm90).
+
+The MoE dispatch (ops/moe.py, impl "aligned") places each expert's token copies at a multiple of
+`Tiles.m` rows, the rest of its last tile zero. Every row tile then belongs to exactly one expert,
+named by a table `tile_group_T` (-1: a tile past the last expert's, written as zeros), so the
+kernel needs no per-tile search over the groups and no partial stores — unlike JAX's
+`ragged_dot_mgpu`, whose tiles straddle groups (an unrolled loop over all G groups per tile, a
+ladder of TMA stores per tile, the pipeline restarted per tile: 0.43 of a dense matmul's rate on an
+H200 where the contraction is 512 wide, BENCHMARKS.md).
+
+Structure (after JAX's `hopper_matmul_mgpu`): one program per SM loops over the output tiles; a
+memory warpgroup streams [m, k] tiles of x and [k, 2n] tiles of w[group] through
+`max_concurrent_steps` shared-memory slots with TMA, two compute warpgroups each accumulate an
+[m, n] half with wgmma, and the epilogue stores through a double-buffered [epi_m, epi_n] window
+while the memory warpgroup already loads the next tile.
+
+Off GPU it runs in the Mosaic GPU interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes: rows per tile (the dispatch's alignment), columns per compute warpgroup, the
+    contraction step, pipeline depth, the epilogue's store window, and the order of the persistent
+    loop: output-column tiles are visited in bands of `band` (0: all of them) for each row tile
+    in turn, so one row tile's column tiles run side by side and read its rows from L2."""
+
+    m: int = 128
+    n: int = 128
+    k: int = 64
+    steps: int = 4
+    epi_m: int = 64
+    epi_n: int = 64
+    band: int = 0
+
+
+TILES = Tiles()
+INTERPRET_PROGRAMS = 4  # programs (SMs) simulated off GPU
+
+
+def _num_programs() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 0) if dev.platform == "gpu" else INTERPRET_PROGRAMS
+
+
+def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    dtype, out_dtype = x_gmem.dtype, out_gmem.dtype
+    rows, depth = x_gmem.shape  # [S, K]
+    cols = out_gmem.shape[1]
+    cta_n = 2 * tiles.n
+    m_tiles, n_tiles, k_steps = rows // tiles.m, cols // cta_n, depth // tiles.k
+    swizzle = plgpu.find_swizzle(tiles.k * jnp.dtype(dtype).itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(tiles.epi_n * jnp.dtype(out_dtype).itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    epi = [(i, j) for i in range(tiles.m // tiles.epi_m) for j in range(tiles.n // tiles.epi_n)]
+    slots = min(2, len(epi))
+
+    def pipeline(body, context):
+        w_block, w_map = ((cta_n, tiles.k), lambda s: (0, s)) if transpose_rhs else ((tiles.k, cta_n), lambda s: (s, 0))
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=tiles.steps, compute_context=context,
+            in_specs=[plgpu.BlockSpec((tiles.m, tiles.k), lambda s: (0, s), transforms=transforms,
+                                      memory_space=plgpu.SMEM),
+                      plgpu.BlockSpec(w_block, w_map, transforms=transforms, memory_space=plgpu.SMEM)])
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, slots, tiles.epi_m, tiles.epi_n), out_dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info):
+            m_idx, n_idx = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 1, tiles.band or n_tiles)
+            group = tile_group_gmem[m_idx]
+            m_rows = pl.ds(m_idx * tiles.m, tiles.m)
+            out_tile = out_gmem.at[m_rows, pl.ds(n_idx * cta_n, cta_n)].at[:, pl.ds(wg * tiles.n, tiles.n)]
+
+            def store(acc_MN):  # [m, n] of this warpgroup, through the double-buffered window
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for e, (i, j) in enumerate(epi):
+                    win = (slice(i * tiles.epi_m, (i + 1) * tiles.epi_m), slice(j * tiles.epi_n, (j + 1) * tiles.epi_n))
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, e % slots] = acc_MN[win]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, e % slots], out_tile.at[win])
+
+            def context(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tiles.m, tiles.n), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    store(acc[...].astype(out_dtype))
+
+            def mma(_, x_smem, w_smem, acc):
+                cols_wg = pl.ds(wg * tiles.n, tiles.n)
+                w_kn = w_smem.at[cols_wg, :].transpose((1, 0)) if transpose_rhs else w_smem.at[:, cols_wg]
+                plgpu.wgmma(acc, x_smem, w_kn)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            @pl.when(group >= 0)
+            def _compute():
+                w_g, cols_cta = w_gmem.at[group], pl.ds(n_idx * cta_n, cta_n)
+                w_cols = w_g.at[cols_cta, :] if transpose_rhs else w_g.at[:, cols_cta]
+                pipeline(mma, context)(x_gmem.at[m_rows, :], w_cols, allocations=allocs)
+
+            @pl.when((group < 0) & (wg < 2))
+            def _zeros():  # a tile past the last group's: zeros (the memory warpgroup has nothing to do)
+                store(jnp.zeros((tiles.m, tiles.n), out_dtype))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *, transpose_rhs: bool = False,
+                   tiles: Tiles = TILES) -> jax.Array:
+    """Row tile t of x times w[tile_group[t]]: [S, K] x [G, K, N] (or [G, N, K] used transposed) -> [S, N].
+
+    S = T * tiles.m; tile_group [T] int32 in [-1, G), -1 giving a zero tile. x and w in one 16-bit
+    dtype (wgmma); K and N are padded here to the tiles.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    s, k = x_SK.shape
+    n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
+    if s != tile_group_T.shape[0] * tiles.m:
+        raise ValueError(f"aligned_matmul: {s} rows is not {tile_group_T.shape[0]} tiles of {tiles.m}")
+    if x_SK.dtype != w_GKN.dtype or jnp.dtype(x_SK.dtype).itemsize != 2:
+        raise ValueError(f"aligned_matmul takes one 16-bit dtype, got {x_SK.dtype} and {w_GKN.dtype}")
+    cta_n = 2 * tiles.n
+    x = _pad(x_SK, 1, tiles.k)
+    w = _pad(_pad(w_GKN, 2, tiles.k), 1, cta_n) if transpose_rhs else _pad(_pad(w_GKN, 1, tiles.k), 2, cta_n)
+    cols = w.shape[1] if transpose_rhs else w.shape[2]
+    call = plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs),
+        out_type=jax.ShapeDtypeStruct((s, cols), x_SK.dtype),
+        grid=(_num_programs(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    if jax.default_backend() == "gpu":
+        y = call(tile_group_T.astype(jnp.int32), x, w)
+    else:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            y = call(tile_group_T.astype(jnp.int32), x, w)
+    return y[:, :n]
+
+
+def tile_layout(group_sizes_G: jax.Array, num_tiles: int, tile_m: int = TILES.m) -> tuple[jax.Array, jax.Array]:
+    """For groups of `group_sizes` rows each starting on a tile: (the first tile of each group [G],
+    the group of each of `num_tiles` tiles [T], -1 past the last group's tiles)."""
+    tiles_G = (group_sizes_G + tile_m - 1) // tile_m
+    end_G = jnp.cumsum(tiles_G)
+    t_T = jnp.arange(num_tiles, dtype=end_G.dtype)
+    group_T = jnp.searchsorted(end_G, t_T, side="right").astype(jnp.int32)
+    return (end_G - tiles_G).astype(jnp.int32), jnp.where(t_T < end_G[-1], group_T, -1)
+
+
+def num_tiles(rows: int, groups: int, tile_m: int = TILES.m) -> int:
+    """Tiles enough for any split of `rows` rows into `groups` groups, each starting on a tile."""
+    return -(-rows // tile_m) + groups

@@ -1,0 +1,126 @@
+"""The tile-aligned grouped matmul (`ops.aligned_gmm`, Mosaic-GPU interpreter here) and the MoE's
+aligned row layout (`ops.moe.sorted_rows(aligned=True)`), against float32 XLA products per tile and
+the dense routed-experts reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_l2
+
+from ling_jax.ops import aligned_gmm
+from ling_jax.ops import moe as moe_ops
+
+TM = aligned_gmm.TILES.m
+
+
+def per_tile(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: np.ndarray) -> np.ndarray:
+    """Row tile t times w[tile_group[t]] in float64 numpy (zero where the group is -1)."""
+    x = np.asarray(x_SK, np.float64).reshape(len(tile_group_T), TM, -1)
+    w = np.asarray(w_GKN, np.float64)
+    return np.concatenate([x[t] @ w[g] if g >= 0 else np.zeros((TM, w.shape[2])) for t, g in enumerate(tile_group_T)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_aligned_matmul_matches_per_tile_products(dtype):
+    """Both weight layouts, contraction and output widths that are not multiples of the tiles,
+    tiles in any group order and tiles of group -1 (exact zeros)."""
+    rng = np.random.default_rng(0)
+    tile_group = np.array([2, 0, -1, 2, 1])
+    k, n = 96, 200
+    x = jnp.asarray(rng.standard_normal((len(tile_group) * TM, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((3, k, n)) * 0.1, dtype)
+    want = per_tile(x, w, tile_group)
+    y = aligned_gmm.aligned_matmul(x, w, jnp.asarray(tile_group))
+    y_t = aligned_gmm.aligned_matmul(x, jnp.swapaxes(w, 1, 2), jnp.asarray(tile_group), transpose_rhs=True)
+    for got in (y, y_t):
+        assert got.shape == (len(tile_group) * TM, n) and got.dtype == dtype
+        assert rel_l2(got.astype(jnp.float32), want) <= 5e-3
+        assert np.all(np.asarray(got[2 * TM:3 * TM]) == 0)
+
+
+def test_aligned_matmul_rejects_bad_operands():
+    x = jnp.ones((2 * TM, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tiles of"):
+        aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="16-bit"):
+        aligned_gmm.aligned_matmul(x.astype(jnp.float32), jnp.ones((2, 64, 64)), jnp.zeros((2,), jnp.int32))
+
+
+def test_tile_layout_and_bound():
+    gs = jnp.array([0, 130, 128, 1, 0], jnp.int32)
+    first, group = aligned_gmm.tile_layout(gs, 6, TM)
+    np.testing.assert_array_equal(first, [0, 0, 2, 3, 4])
+    np.testing.assert_array_equal(group, [1, 1, 2, 3, -1, -1])
+    rng = np.random.default_rng(1)
+    for _ in range(20):  # the bound holds for any split, including every row in one group
+        g = int(rng.integers(1, 9))
+        rows = int(rng.integers(1, 3000))
+        cuts = np.sort(rng.integers(0, rows + 1, g - 1))
+        sizes = np.diff(np.concatenate([[0], cuts, [rows]]))
+        assert int(np.sum(-(-sizes // TM))) <= aligned_gmm.num_tiles(rows, g, TM)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_sorted_rows_aligned_layout(skew):
+    """Every computed copy sits in a tile of its own expert and the row maps invert each other;
+    rows holding no copy, and copies of other devices' experts, point past the end."""
+    rng = np.random.default_rng(2)
+    n, k, e, n_local, first = 300, 4, 8, 5, 2
+    idx = np.argsort(rng.random((n, e)), axis=1)[:, :k]
+    if skew:
+        idx[:, 0] = 3  # every token picks expert 3; experts 0, 1 stay nearly empty
+        idx[:, 1:] = np.where(idx[:, 1:] == 3, 0, idx[:, 1:])
+    local = idx - first
+    key = np.where((local >= 0) & (local < n_local), local, n_local).reshape(-1)
+    cap = n * min(k, n_local)
+    rows = moe_ops.sorted_rows(jnp.asarray(key, jnp.int32), n_local, cap, aligned=True)
+    copy_S, slot_M = np.asarray(rows.copy_S), np.asarray(rows.slot_M)
+    tile_group = np.asarray(rows.tile_group_T)
+    s, m = len(copy_S), n * k
+    assert s == aligned_gmm.num_tiles(cap, n_local, TM) * TM
+    computed = key < n_local
+    assert np.all(slot_M[~computed] == s)
+    assert np.all(copy_S[slot_M[computed]] == np.flatnonzero(computed))
+    assert np.all(tile_group[slot_M[computed] // TM] == key[computed])
+    held = copy_S < m
+    assert held.sum() == computed.sum() and np.all(slot_M[copy_S[held]] == np.flatnonzero(held))
+    np.testing.assert_array_equal(rows.group_sizes_L, -(-np.bincount(key[computed], minlength=n_local) // TM) * TM)
+
+
+def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
+    """Values and gradients (x, the three weight stacks) of the aligned path = the dense reference,
+    with skewed routing (an expert gets nothing) and for one device's share of the experts."""
+    rng = np.random.default_rng(6)
+    n, d, e, i, k = 40, 64, 4, 64, 2
+    dt = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((n, d)), dt)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.2, dt) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    idx = jnp.asarray(np.tile([1, 3], (n, 1)), jnp.int32).at[:5, 0].set(0)  # expert 2 gets nothing
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+
+    def whole(impl, x, *ws):
+        return jnp.sum(moe_ops.routed_experts(x, idx, w, *ws, impl=impl, limit=0.5).astype(jnp.float32) ** 2)
+
+    def share(impl, x, *ws):  # experts 2, 3 on this device: the copies of 0 and 1 are not computed
+        return jnp.sum(moe_ops.routed_partial(x, idx, w, 2, *(a[2:] for a in ws), impl=impl, limit=0.5) ** 2)
+
+    for fn in (whole, share):
+        ref = jax.value_and_grad(functools.partial(fn, "dense"), argnums=(0, 1, 2, 3))(x, *ws)
+        got = jax.jit(jax.value_and_grad(functools.partial(fn, "aligned"), argnums=(0, 1, 2, 3)))(x, *ws)
+        assert abs(float(got[0]) - float(ref[0])) <= 3e-2 * abs(float(ref[0]))
+        for a, b in zip(got[1], ref[1], strict=True):
+            assert rel_l2(a.astype(jnp.float32), b.astype(jnp.float32)) <= 3e-2
+
+
+def test_auto_picks_aligned_on_hopper(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(moe_ops, "_is_sm90", lambda: True)
+    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 4096) == "aligned"
+    assert moe_ops.resolve_impl("auto", jnp.float32, 4096) == "ragged"
+    with pytest.raises(ValueError, match="tile_group_T"):
+        moe_ops.grouped_matmul(jnp.ones((TM, 8), jnp.bfloat16), jnp.ones((1, 8, 8)), jnp.array([TM]), impl="aligned")
