@@ -12,9 +12,9 @@ Both sort the token copies by expert and run one grouped matmul per projection o
   aligned each expert's copies start on a row tile (the rest of its last tile zero), and our
           persistent warp-specialised Mosaic-GPU kernel (`ops.aligned_gmm`) runs the forward and
           dX, JAX's `transposed_ragged_dot_mgpu` dW, behind a custom VJP. Hopper (sm90) only;
-          elsewhere it runs in the Mosaic-GPU interpreter (tests). On an H200 at Ling-3.0-tiny's
-          MoE shape, 16k tokens: 0.75-0.86 of a dense matmul's rate where mgpu reaches 0.30-0.54
-          (BENCHMARKS.md).
+          elsewhere it runs in the Mosaic-GPU interpreter (tests). On an H200 at 16k tokens each
+          grouped matmul runs at 0.73-0.97 of a dense matmul's rate at Ling-3.0-tiny's MoE shape
+          and 0.59-0.65 at Ling-3.1-flash's, where mgpu reaches 0.30-0.54 and 0.08 (BENCHMARKS.md).
   mgpu    JAX's Pallas Mosaic-GPU kernels (`ragged_dot_mgpu` for the forward and dX with
           transposed weights, `transposed_ragged_dot_mgpu` for dW) behind a custom VJP on rows
           packed without gaps. Hopper (sm90) only; elsewhere the Mosaic-GPU interpreter.
