@@ -142,11 +142,12 @@ def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpos
 
 
 def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *, transpose_rhs: bool = False,
-                   tiles: Tiles = TILES) -> jax.Array:
+                   tiles: Tiles = TILES, interpret: bool | None = None) -> jax.Array:
     """Row tile t of x times w[tile_group[t]]: [S, K] x [G, K, N] (or [G, N, K] used transposed) -> [S, N].
 
     S = T * tiles.m; tile_group [T] int32 in [-1, G), -1 giving a zero tile. x and w in one 16-bit
-    dtype (wgmma); K and N are padded here to the tiles.
+    dtype (wgmma); K and N are padded here to the tiles. `interpret`: the Mosaic-GPU interpreter
+    (default: off GPU).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -165,7 +166,7 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
         out_type=jax.ShapeDtypeStruct((s, cols), x_SK.dtype),
         grid=(_num_programs(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    if jax.default_backend() == "gpu":
+    if not (jax.default_backend() != "gpu" if interpret is None else interpret):
         y = call(tile_group_T.astype(jnp.int32), x, w)
     else:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):

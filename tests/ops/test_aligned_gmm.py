@@ -43,6 +43,24 @@ def test_aligned_matmul_matches_per_tile_products(dtype):
         assert np.all(np.asarray(got[2 * TM:3 * TM]) == 0)
 
 
+@pytest.mark.parametrize("d, i", [(1536, 512), (4096, 1280)])  # Ling-3.0-tiny's and Ling-3.1-flash's MoE
+def test_aligned_matmul_lowers_for_hopper(d, i):
+    """Every grouped matmul of a training step lowers to a Mosaic-GPU kernel for CUDA that fits an
+    H100/H200's shared memory (Mosaic checks it while lowering: 6 pipeline stages would not)."""
+    tiles_T = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+    def lower(rows_k, w_shape, transpose_rhs, tiles=aligned_gmm.TILES):
+        fn = functools.partial(aligned_gmm.aligned_matmul, transpose_rhs=transpose_rhs, tiles=tiles, interpret=False)
+        args = (jax.ShapeDtypeStruct((8 * TM, rows_k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
+        return jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, tiles_T).mlir_module()
+
+    for rows_k, w_shape, transpose_rhs in ((d, (4, d, i), False), (i, (4, i, d), False),  # forward
+                                           (i, (4, d, i), True), (d, (4, i, d), True)):  # dX
+        assert "mosaic_gpu" in lower(rows_k, w_shape, transpose_rhs)
+    with pytest.raises(ValueError, match="shared memory"):
+        lower(d, (4, d, i), False, aligned_gmm.Tiles(steps=6))
+
+
 def test_aligned_matmul_rejects_bad_operands():
     x = jnp.ones((2 * TM, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="tiles of"):
