@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ling_jax.ops.pallas_gpu import pad_axis
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -52,15 +54,6 @@ INTERPRET_PROGRAMS = 4  # programs (SMs) simulated off GPU
 def _num_programs() -> int:
     dev = jax.devices()[0]
     return int(getattr(dev, "core_count", 0) or 0) if dev.platform == "gpu" else INTERPRET_PROGRAMS
-
-
-def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
-    extra = -a.shape[axis] % multiple
-    if not extra:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(a, widths)
 
 
 def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool):
@@ -158,8 +151,9 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
     if x_SK.dtype != w_GKN.dtype or jnp.dtype(x_SK.dtype).itemsize != 2:
         raise ValueError(f"aligned_matmul takes one 16-bit dtype, got {x_SK.dtype} and {w_GKN.dtype}")
     cta_n = 2 * tiles.n
-    x = _pad(x_SK, 1, tiles.k)
-    w = _pad(_pad(w_GKN, 2, tiles.k), 1, cta_n) if transpose_rhs else _pad(_pad(w_GKN, 1, tiles.k), 2, cta_n)
+    x = pad_axis(x_SK, 1, tiles.k)
+    k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+    w = pad_axis(pad_axis(w_GKN, k_axis, tiles.k), n_axis, cta_n)
     cols = w.shape[1] if transpose_rhs else w.shape[2]
     call = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs),

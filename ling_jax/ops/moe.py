@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv
-from ling_jax.ops.pallas_gpu import one_gpu
+from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
@@ -136,15 +136,6 @@ def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked
 # ----------------------------------------------------------------------------- kernels
 
 
-def _pad(a: jax.Array, axis: int, multiple: int) -> jax.Array:
-    extra = -a.shape[axis] % multiple
-    if not extra:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(a, widths)
-
-
 def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array, full: bool = False) -> jax.Array:
     """Zeroes the rows past sum(group_sizes) (kernels leave them unwritten); `full`: there are none."""
     if full:
@@ -165,8 +156,8 @@ def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_r
     m, k = x_MK.shape
     n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
     align = math.lcm(MGPU_BLOCK_N, MGPU_BLOCK_K)
-    x = _pad(_pad(x_MK, 0, MGPU_BLOCK_M), 1, align)
-    w = _pad(_pad(w_GKN, 1, align), 2, align)
+    x = pad_axis(pad_axis(x_MK, 0, MGPU_BLOCK_M), 1, align)
+    w = pad_axis(pad_axis(w_GKN, 1, align), 2, align)
     call = functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=gs_G.astype(jnp.int32),
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N,
@@ -186,8 +177,8 @@ def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
 
     k, n = x_MK.shape[1], dy_MN.shape[1]
     align = math.lcm(MGPU_BLOCK_M, MGPU_BLOCK_K)
-    x = _pad(_pad(x_MK, 0, align), 1, MGPU_BLOCK_M)
-    dy = _pad(_pad(dy_MN, 0, align), 1, MGPU_BLOCK_N)
+    x = pad_axis(pad_axis(x_MK, 0, align), 1, MGPU_BLOCK_M)
+    dy = pad_axis(pad_axis(dy_MN, 0, align), 1, MGPU_BLOCK_N)
     call = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=gs_G.astype(jnp.int32),
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N)
@@ -208,8 +199,8 @@ def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rh
     megablox = _megablox()
     m, k = x_MK.shape
     n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
-    x = _pad(_pad(x_MK, 0, GMM_TILE), 1, GMM_TILE)
-    w = _pad(_pad(w_GKN, 1, GMM_TILE), 2, GMM_TILE)
+    x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
+    w = pad_axis(pad_axis(w_GKN, 1, GMM_TILE), 2, GMM_TILE)
     y = megablox.gmm(x, w, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3, transpose_rhs=transpose_rhs,
                      interpret=jax.default_backend() != "tpu")
     return y[:m, :n]
@@ -218,8 +209,8 @@ def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rh
 def _gmm_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
     megablox = _megablox()
     k, n = x_MK.shape[1], dy_MN.shape[1]
-    x = _pad(_pad(x_MK, 0, GMM_TILE), 1, GMM_TILE)
-    dy = _pad(_pad(dy_MN, 0, GMM_TILE), 1, GMM_TILE)
+    x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
+    dy = pad_axis(pad_axis(dy_MN, 0, GMM_TILE), 1, GMM_TILE)
     dw = megablox.tgmm(x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3,
                        interpret=jax.default_backend() != "tpu")
     return dw[:, :k, :n]

@@ -1,10 +1,11 @@
-"""Plumbing shared by the GPU-only Pallas kernels (Triton lowering on GPU, interpret mode elsewhere)."""
+"""Plumbing shared by the Pallas kernels (Triton lowering on GPU, interpret mode elsewhere; operand padding)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
@@ -32,6 +33,16 @@ def one_gpu() -> bool:
 def is_pow2(n: int) -> bool:
     """Triton's rule for every loaded or computed block dimension."""
     return n > 0 and n & (n - 1) == 0
+
+
+def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """`a` zero-padded at the end of `axis` to a multiple of `multiple` (a kernel's tile)."""
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
 
 
 def whole(a: jax.Array) -> pl.BlockSpec:
