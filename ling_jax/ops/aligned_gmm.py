@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +52,15 @@ TILES = Tiles()
 INTERPRET_PROGRAMS = 4  # programs (SMs) simulated off GPU
 
 
-def _num_programs() -> int:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 0) if dev.platform == "gpu" else INTERPRET_PROGRAMS
+def _num_programs(interpret: bool) -> int:
+    """One program per SM of the GPU (the persistent loop's width); INTERPRET_PROGRAMS interpreted."""
+    if interpret:
+        return INTERPRET_PROGRAMS
+    mesh_device = jax.sharding.get_abstract_mesh().abstract_device
+    cores = mesh_device.num_cores if mesh_device else getattr(jax.devices()[0], "core_count", 0)
+    if not cores:
+        raise ValueError("aligned_matmul: the device reports no SM count to size the persistent grid by")
+    return int(cores)
 
 
 def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool):
@@ -135,12 +142,14 @@ def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpos
 
 
 def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *, transpose_rhs: bool = False,
-                   tiles: Tiles = TILES, interpret: bool | None = None) -> jax.Array:
+                   tiles: Tiles = TILES, interpret: bool | None = None, interpret_params: Any = None) -> jax.Array:
     """Row tile t of x times w[tile_group[t]]: [S, K] x [G, K, N] (or [G, N, K] used transposed) -> [S, N].
 
-    S = T * tiles.m; tile_group [T] int32 in [-1, G), -1 giving a zero tile. x and w in one 16-bit
-    dtype (wgmma); K and N are padded here to the tiles. `interpret`: the Mosaic-GPU interpreter
-    (default: off GPU).
+    S = T * tiles.m; tile_group [T] int32 in [-1, G), -1 giving a zero tile, the tiles in any order
+    (the MoE's gradient wants them in ascending group order, -1 last: `ops.moe.aligned_ragged_dot`).
+    x and w in one 16-bit dtype (wgmma); K and N are padded here to the tiles. `interpret`: the
+    Mosaic-GPU interpreter (default: off GPU), with `interpret_params` (a `plgpu.InterpretGPUParams`,
+    e.g. with race detection) if given.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -150,6 +159,10 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
         raise ValueError(f"aligned_matmul: {s} rows is not {tile_group_T.shape[0]} tiles of {tiles.m}")
     if x_SK.dtype != w_GKN.dtype or jnp.dtype(x_SK.dtype).itemsize != 2:
         raise ValueError(f"aligned_matmul takes one 16-bit dtype, got {x_SK.dtype} and {w_GKN.dtype}")
+    if tiles.m % tiles.epi_m or tiles.n % tiles.epi_n:
+        raise ValueError(f"aligned_matmul: the store window {tiles.epi_m}x{tiles.epi_n} must divide the tile "
+                         f"{tiles.m}x{tiles.n}")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     cta_n = 2 * tiles.n
     x = pad_axis(x_SK, 1, tiles.k)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
@@ -158,12 +171,12 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
     call = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, transpose_rhs=transpose_rhs),
         out_type=jax.ShapeDtypeStruct((s, cols), x_SK.dtype),
-        grid=(_num_programs(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(_num_programs(interpret),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    if not (jax.default_backend() != "gpu" if interpret is None else interpret):
+    if not interpret:
         y = call(tile_group_T.astype(jnp.int32), x, w)
     else:
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        with plgpu.force_gpu_interpret_mode(interpret_params or plgpu.InterpretGPUParams()):
             y = call(tile_group_T.astype(jnp.int32), x, w)
     return y[:, :n]
 
@@ -179,5 +192,10 @@ def tile_layout(group_sizes_G: jax.Array, num_tiles: int, tile_m: int = TILES.m)
 
 
 def num_tiles(rows: int, groups: int, tile_m: int = TILES.m) -> int:
-    """Tiles enough for any split of `rows` rows into `groups` groups, each starting on a tile."""
-    return -(-rows // tile_m) + groups
+    """Tiles enough for any split of `rows` rows into `groups` groups, each starting on a tile.
+
+    A group of s >= 1 rows takes (s - 1) // m + 1 tiles, so q non-empty groups take at most
+    (rows - q) // m + q <= ceil(rows / m) - 1 + q, and q <= min(groups, rows) (decode: 128 copies
+    over 512 experts need at most 128 tiles, not 513).
+    """
+    return max(1, -(-rows // tile_m) + min(groups, rows) - 1)

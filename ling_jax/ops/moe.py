@@ -34,9 +34,10 @@ Both sort the token copies by expert and run one grouped matmul per projection o
           115 us, BENCHMARKS.md), else gather; beyond (prefill, training): aligned on an sm90 GPU
           with bf16/f16 activations, gmm on TPU, ragged otherwise.
 
-Every grouped matmul here has `jax.lax.ragged_dot`'s semantics, including rows past
-`sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are masked);
-the expert-parallel dispatch relies on that, its buffers being sized for the worst case.
+The packed grouped matmuls (ragged, mgpu, gmm) have `jax.lax.ragged_dot`'s semantics, including
+rows past `sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are
+masked); "aligned" computes whole tiles per expert, its padding rows zero because the dispatch
+writes them zero. The row maps (`SortedRows`) send only the computed copies back either way.
 """
 
 from __future__ import annotations
@@ -248,24 +249,24 @@ kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
 
 
 @jax.custom_vjp
-def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array,
-                       group_sizes_G: jax.Array) -> jax.Array:
+def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array) -> jax.Array:
     """Row tile t of x times w[tile_group[t]] through `aligned_gmm` ([S, K] x [G, K, N] -> [S, N]),
-    differentiable; group g's rows are `group_sizes[g]` (a multiple of the tile height) from its
-    first tile on, tiles of group -1 are zero. dX: the same kernel with the weights transposed;
-    dW: `transposed_ragged_dot_mgpu` over those group sizes."""
+    differentiable. The tiles must come in ascending group order, those of group -1 (zero) last,
+    as `sorted_rows(aligned=True)` lays them out: dW is `transposed_ragged_dot_mgpu` over the
+    groups' whole tiles, taken to be contiguous. dX: the same kernel with the weights transposed."""
     return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T)
 
 
-def _ard_fwd(x_SK, w_GKN, tile_group_T, group_sizes_G):
-    return aligned_ragged_dot(x_SK, w_GKN, tile_group_T, group_sizes_G), (x_SK, w_GKN, tile_group_T, group_sizes_G)
+def _ard_fwd(x_SK, w_GKN, tile_group_T):
+    return aligned_ragged_dot(x_SK, w_GKN, tile_group_T), (x_SK, w_GKN, tile_group_T)
 
 
 def _ard_bwd(res, dy_SN):
-    x_SK, w_GKN, tile_group_T, gs_G = res
+    x_SK, w_GKN, tile_group_T = res
     dy_SN = dy_SN.astype(x_SK.dtype)
     dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True)
-    return dx_SK, _mgpu_dw(x_SK, dy_SN, gs_G).astype(w_GKN.dtype), None, None
+    rows_G = counts(tile_group_T, w_GKN.shape[0]) * (x_SK.shape[0] // tile_group_T.shape[0])
+    return dx_SK, _mgpu_dw(x_SK, dy_SN, rows_G).astype(w_GKN.dtype), None
 
 
 aligned_ragged_dot.defvjp(_ard_fwd, _ard_bwd)
@@ -277,13 +278,14 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, 
 
     Rows past sum(group_sizes) are zero. `impl`: "ragged", "aligned", "mgpu" or "gmm" (see the
     module doc); `full`: the caller guarantees sum(group_sizes) = M. "aligned" takes the rows in
-    whole tiles per group (`AlignedRows`): `tile_group_T` names each tile's group.
+    whole tiles per group (`sorted_rows(aligned=True)`): `tile_group_T` names each tile's group
+    (group_sizes are not used; every row of a group's tiles is computed).
     """
     w_GKN = w_GKN.astype(x_MK.dtype)
     if impl == "aligned":
         if tile_group_T is None:
-            raise ValueError("grouped_matmul impl='aligned' needs tile_group_T (rows laid out by AlignedRows)")
-        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T, group_sizes_G)
+            raise ValueError("grouped_matmul impl='aligned' needs tile_group_T (rows laid out by sorted_rows)")
+        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T)
     if impl == "ragged":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if impl in KERNELS:
@@ -305,8 +307,8 @@ def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Arr
     """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
 
     Rows past sum(group_sizes) come out zero; `full`: the caller guarantees they sum to M.
-    "aligned": the rows in whole tiles per expert, `tile_group_T` and group sizes from `AlignedRows`
-    (padding rows must be zero: they then stay zero through the SwiGLU).
+    "aligned": the rows in whole tiles per expert, `tile_group_T` and group sizes from
+    `sorted_rows(aligned=True)` (padding rows must be zero: they then stay zero through the SwiGLU).
     """
     mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=impl, full=full,
                            tile_group_T=tile_group_T)

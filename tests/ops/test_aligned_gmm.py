@@ -25,18 +25,26 @@ def per_tile(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: np.ndarray) -> np.
     return np.concatenate([x[t] @ w[g] if g >= 0 else np.zeros((TM, w.shape[2])) for t, g in enumerate(tile_group_T)])
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_aligned_matmul_matches_per_tile_products(dtype):
-    """Both weight layouts, contraction and output widths that are not multiples of the tiles,
-    tiles in any group order and tiles of group -1 (exact zeros)."""
+@pytest.mark.parametrize("dtype, k, n, band", [
+    (jnp.bfloat16, 96, 200, 0),  # K and N padded; one column tile, fewer k-steps than pipeline stages
+    (jnp.float16, 96, 200, 0),
+    (jnp.bfloat16, 320, 600, 0),  # 5 k-steps through 4 stages, 3 column tiles (N padded to 768)
+    (jnp.bfloat16, 320, 600, 2),  # the persistent loop in bands of 2 column tiles
+])
+def test_aligned_matmul_matches_per_tile_products(dtype, k, n, band):
+    """Both weight layouts, widths that are not multiples of the tiles, tiles in any group order and
+    tiles of group -1 (exact zeros: the interpreter fills what is never written with NaN)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     rng = np.random.default_rng(0)
     tile_group = np.array([2, 0, -1, 2, 1])
-    k, n = 96, 200
     x = jnp.asarray(rng.standard_normal((len(tile_group) * TM, k)), dtype)
     w = jnp.asarray(rng.standard_normal((3, k, n)) * 0.1, dtype)
     want = per_tile(x, w, tile_group)
-    y = aligned_gmm.aligned_matmul(x, w, jnp.asarray(tile_group))
-    y_t = aligned_gmm.aligned_matmul(x, jnp.swapaxes(w, 1, 2), jnp.asarray(tile_group), transpose_rhs=True)
+    mm = functools.partial(aligned_gmm.aligned_matmul, tiles=aligned_gmm.Tiles(band=band),
+                           interpret_params=plgpu.InterpretGPUParams(detect_races=True))
+    y = mm(x, w, jnp.asarray(tile_group))
+    y_t = mm(x, jnp.swapaxes(w, 1, 2), jnp.asarray(tile_group), transpose_rhs=True)
     for got in (y, y_t):
         assert got.shape == (len(tile_group) * TM, n) and got.dtype == dtype
         assert rel_l2(got.astype(jnp.float32), want) <= 5e-3
@@ -44,9 +52,10 @@ def test_aligned_matmul_matches_per_tile_products(dtype):
 
 
 @pytest.mark.parametrize("d, i", [(1536, 512), (4096, 1280)])  # Ling-3.0-tiny's and Ling-3.1-flash's MoE
-def test_aligned_matmul_lowers_for_hopper(d, i):
+def test_aligned_matmul_lowers_for_hopper(d, i, monkeypatch):
     """Every grouped matmul of a training step lowers to a Mosaic-GPU kernel for CUDA that fits an
     H100/H200's shared memory (Mosaic checks it while lowering: 6 pipeline stages would not)."""
+    monkeypatch.setattr(aligned_gmm, "_num_programs", lambda interpret: 132)  # an H200's SMs (none here)
     tiles_T = jax.ShapeDtypeStruct((8,), jnp.int32)
 
     def lower(rows_k, w_shape, transpose_rhs, tiles=aligned_gmm.TILES):
@@ -90,9 +99,9 @@ def test_sorted_rows_aligned_layout(skew):
     rng = np.random.default_rng(2)
     n, k, e, n_local, first = 300, 4, 8, 5, 2
     idx = np.argsort(rng.random((n, e)), axis=1)[:, :k]
-    if skew:
-        idx[:, 0] = 3  # every token picks expert 3; experts 0, 1 stay nearly empty
-        idx[:, 1:] = np.where(idx[:, 1:] == 3, 0, idx[:, 1:])
+    if skew:  # every token picks expert 3 (local 1), its other picks stay distinct
+        idx[:, 1:] = np.where(idx[:, 1:] == 3, idx[:, :1], idx[:, 1:])
+        idx[:, 0] = 3
     local = idx - first
     key = np.where((local >= 0) & (local < n_local), local, n_local).reshape(-1)
     cap = n * min(k, n_local)
@@ -110,22 +119,15 @@ def test_sorted_rows_aligned_layout(skew):
     np.testing.assert_array_equal(rows.group_sizes_L, -(-np.bincount(key[computed], minlength=n_local) // TM) * TM)
 
 
-def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
+def routed_equals_dense(idx, w, x, ws, first: int) -> None:
     """Values and gradients (x, the three weight stacks) of the aligned path = the dense reference,
-    with skewed routing (an expert gets nothing) and for one device's share of the experts."""
-    rng = np.random.default_rng(6)
-    n, d, e, i, k = 40, 64, 4, 64, 2
-    dt = jnp.bfloat16
-    x = jnp.asarray(rng.standard_normal((n, d)), dt)
-    ws = [jnp.asarray(rng.standard_normal(s) * 0.2, dt) for s in ((e, d, i), (e, d, i), (e, i, d))]
-    idx = jnp.asarray(np.tile([1, 3], (n, 1)), jnp.int32).at[:5, 0].set(0)  # expert 2 gets nothing
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    for all experts and for the share of experts first.. (one device's, maybe fewer than top-k)."""
 
     def whole(impl, x, *ws):
         return jnp.sum(moe_ops.routed_experts(x, idx, w, *ws, impl=impl, limit=0.5).astype(jnp.float32) ** 2)
 
-    def share(impl, x, *ws):  # experts 2, 3 on this device: the copies of 0 and 1 are not computed
-        return jnp.sum(moe_ops.routed_partial(x, idx, w, 2, *(a[2:] for a in ws), impl=impl, limit=0.5) ** 2)
+    def share(impl, x, *ws):
+        return jnp.sum(moe_ops.routed_partial(x, idx, w, first, *(a[first:] for a in ws), impl=impl, limit=0.5) ** 2)
 
     for fn in (whole, share):
         ref = jax.value_and_grad(functools.partial(fn, "dense"), argnums=(0, 1, 2, 3))(x, *ws)
@@ -133,6 +135,30 @@ def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
         assert abs(float(got[0]) - float(ref[0])) <= 3e-2 * abs(float(ref[0]))
         for a, b in zip(got[1], ref[1], strict=True):
             assert rel_l2(a.astype(jnp.float32), b.astype(jnp.float32)) <= 3e-2
+
+
+def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
+    """Skewed routing (expert 2 gets nothing); the share of experts 2, 3."""
+    rng = np.random.default_rng(6)
+    n, d, e, i = 40, 64, 4, 64
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.2, jnp.bfloat16) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    idx = jnp.asarray(np.tile([1, 3], (n, 1)), jnp.int32).at[:5, 0].set(0)
+    routed_equals_dense(idx, jnp.asarray(rng.random((n, 2)), jnp.float32), x, ws, first=2)
+
+
+@pytest.mark.heavy
+def test_routed_experts_aligned_equals_dense_multi_tile(mgpu_dw_on_cpu):
+    """Expert 5 takes all 150 tokens (two tiles), expert 3 none; several k-steps and padded widths
+    (I = 192); the share of experts 4, 5 is fewer than top-k (copies past its capacity not computed)."""
+    rng = np.random.default_rng(6)
+    n, d, e, i, k = 150, 128, 6, 192, 3
+    dt = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((n, d)), dt)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.1, dt) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    other = np.where(rng.random((n, 2)) < 0.5, [0, 1], [2, 4])  # distinct picks, never expert 3
+    idx = jnp.asarray(np.concatenate([np.full((n, 1), 5), other], axis=1), jnp.int32)
+    routed_equals_dense(idx, jnp.asarray(rng.random((n, k)), jnp.float32), x, ws, first=4)
 
 
 def test_auto_picks_aligned_on_hopper(monkeypatch):
