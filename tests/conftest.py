@@ -1,5 +1,5 @@
-"""Shared test setup: 8 simulated CPU devices, full-precision matmuls, a persistent jit cache,
-and the golden checkpoints (copied from ../shared/golden into tests/golden)."""
+"""Shared test setup: 8 simulated CPU devices, full-precision matmuls, an opt-in persistent jit
+cache, and the golden checkpoints (copied from ../shared/golden into tests/golden)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
-CACHE = os.environ.get("LING_JAX_TEST_CACHE", str(Path.home() / ".cache" / "ling-jax-tests"))
-jax.config.update("jax_compilation_cache_dir", CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# The persistent cache is opt-in (LING_JAX_TEST_CACHE=DIR: reruns skip compiles). Off by default, as
+# in CI: there XLA:CPU (jax 0.11.2) segfaulted in `executable.serialize()` writing an entry, late in
+# the default suite's process (test_train's packing test, which passes alone), and a clean
+# checkout starts with an empty cache anyway.
+if os.environ.get("LING_JAX_TEST_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["LING_JAX_TEST_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 GOLDEN = Path(__file__).parent / "golden"
 
