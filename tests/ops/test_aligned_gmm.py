@@ -76,6 +76,11 @@ def test_aligned_matmul_rejects_bad_operands():
         aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="16-bit"):
         aligned_gmm.aligned_matmul(x.astype(jnp.float32), jnp.ones((2, 64, 64)), jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="store window"):
+        aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                                   tiles=aligned_gmm.Tiles(epi_n=48))
+    with pytest.raises(ValueError, match="SM count"):  # compiled for a device (a CPU) that has no SMs
+        aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32), interpret=False)
 
 
 def test_tile_layout_and_bound():
