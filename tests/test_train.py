@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import CACHE, rel_l2
+from conftest import SUBPROCESS_CACHE, rel_l2
 
 from ling_jax.config import LingConfig
 from ling_jax.model import forward_hidden, lm_head
@@ -77,8 +77,8 @@ def test_non_finite_step_is_skipped(tiny):
 
 
 def _train_cli(out: Path, steps: int, data: Path, cfg_file: Path) -> subprocess.Popen:
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     cmd = [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out", str(out),
            "--steps", str(steps), "--config", str(cfg_file)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -250,7 +250,7 @@ def test_cli_under_a_data_expert_mesh_matches_one_device(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out",
              str(tmp_path / name), "--steps", "2", "--config", str(cfg_file)],
-            env={**env, "JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
+            env={**env, "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE, "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
             capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=1200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         losses.append(_losses(tmp_path / name))
