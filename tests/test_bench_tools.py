@@ -20,6 +20,7 @@ from ling_jax.checkpoint.fp8 import BlockFP8, is_block_fp8
 from ling_jax.config import LingConfig
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_random_fp8_params_follow_the_checkpoint_layout():
     """Layer linear weights become BlockFP8 (router, b_proj, embeddings stay dense) whose dequantized
     values are the bf16 random weights of the same seed, rounded to e4m3 (debug widths < 128: the

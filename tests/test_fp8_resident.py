@@ -60,6 +60,7 @@ def test_fp8_resident_forward_matches_golden(resident_f32):
     assert rel_l2(ling_jax.forward(cfg, params, jnp.asarray(g["long_input_ids"])), g["long_logits"]) <= 1e-4
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_fp8_resident_greedy_decode_matches_golden(resident_f32):
     cfg, params = resident_f32
     g = np.load(FP8_SRC / "golden.npz")
@@ -84,6 +85,7 @@ def test_fp8_resident_bf16_equals_dequantized_at_load(ck):
     assert rel_l2(a, b) < 1e-6
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_cli_fp8_weights(ck, capsys):
     from serve.generate import main
 

@@ -142,6 +142,7 @@ def routed_equals_dense(idx, w, x, ws, first: int) -> None:
             assert rel_l2(a.astype(jnp.float32), b.astype(jnp.float32)) <= 3e-2
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
     """Skewed routing (expert 2 gets nothing); the share of experts 2, 3."""
     rng = np.random.default_rng(6)

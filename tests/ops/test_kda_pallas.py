@@ -114,7 +114,8 @@ def test_forward_unfused_gate_through_api_chunk32():
     assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5
 
 
-@pytest.mark.parametrize("backend", [None, pytest.param("tpu", marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # ~30 s in interpret mode (default suite kept well under 20 min)
+@pytest.mark.parametrize("backend", [None, "tpu"])
 def test_key_blocks_equal_one_block(backend):
     """The chunk-parallel kernels' loops over blocks of key columns (block_k < K: the At/Aqk sums,
     the L2 norms applied after them, the per-block W/Qg/Kg/gamma) give what one block does, forward
@@ -133,6 +134,7 @@ def test_key_blocks_equal_one_block(backend):
         assert rel_l2(a, b) < 1e-5, name
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_key_blocks_without_fused_gate_and_norm():
     """Several key blocks when the kernels take a precomputed log decay and normalised q/k (no
     per-block gate derivatives, no norm backward): forward and every gradient equal one block."""
@@ -171,6 +173,7 @@ def test_chunk_sizes_forward_and_gradients(chunk):
         assert rel_l2(a, b) < 5e-5, (name, rel_l2(a, b))
 
 
+@pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
     """The sub-chunk factorisation is exact while each step's log decay and the decay over each
     sub-chunk's last 15 rows stay >= -75 (always for per-step log decays in [SAFE_LOG_DECAY, 0] =
