@@ -20,6 +20,7 @@ Off GPU it runs in the Mosaic GPU interpreter (tests).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -173,12 +174,10 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
         out_type=jax.ShapeDtypeStruct((s, cols), x_SK.dtype),
         grid=(_num_programs(interpret),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    if not interpret:
-        y = call(tile_group_T.astype(jnp.int32), x, w)
-    else:
-        with plgpu.force_gpu_interpret_mode(interpret_params or plgpu.InterpretGPUParams()):
-            y = call(tile_group_T.astype(jnp.int32), x, w)
-    return y[:, :n]
+    mode = (plgpu.force_gpu_interpret_mode(interpret_params or plgpu.InterpretGPUParams()) if interpret
+            else contextlib.nullcontext())
+    with mode:
+        return call(tile_group_T.astype(jnp.int32), x, w)[:, :n]
 
 
 def tile_layout(group_sizes_G: jax.Array, num_tiles: int, tile_m: int = TILES.m) -> tuple[jax.Array, jax.Array]:
