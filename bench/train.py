@@ -54,6 +54,12 @@ def batch(cfg: LingConfig, b: int, t: int, seed: int) -> dict[str, jax.Array]:
     return jax.device_put({"inputs": inputs, "labels": labels, "segment_ids": seg})
 
 
+def peak_gib() -> float | None:
+    """The device's peak memory in use so far in this process (GiB; None where not reported)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -109,7 +115,8 @@ def main() -> None:
                    "model_tflops_per_s": flops / 1e12, "mfu_datasheet": None if peak is None else flops / peak,
                    "mfu_measured_matmul": flops / measured, "loss": float(met["loss"]),
                    "first_step_s_incl_compile": compile_s,
-                   "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9}
+                   "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9,
+                   "peak_gib_so_far": peak_gib()}
             if args.profile:
                 run["profile"] = device_profile(one, f"{args.profile}/{impl}_{moe_impl}_{remat}", calls=2, top=30)
                 print_profile(run["profile"])

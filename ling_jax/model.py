@@ -31,6 +31,7 @@ from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
 from ling_jax.ops.moe import ExpertStack
+from ling_jax.ops.saved import KERNEL_RESIDUAL
 from ling_jax.params import Params, layer_params
 
 
@@ -240,6 +241,10 @@ def lm_head(cfg: LingConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # save only each layer's input; recompute the whole layer in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmul outputs
+    # ... and what the kernels tag (ops/saved.py): no kernel of the forward runs again
+    "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(KERNEL_RESIDUAL)),
     "dots_all": jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
 }
 
@@ -300,7 +305,7 @@ def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
       "expert_counts": tokens per expert of every MoE layer, stacked like params["segments"]
       ([n, E] for a run, {"kda": [n, G-1, E], "mla": [n, E]} for groups, None for dense runs),
       and "mtp_expert_counts" ([E] per MoE MTP layer) if `expert_counts`.
-    `remat` ("none", "full", "dots", "dots_all") rematerialises each layer in the backward pass.
+    `remat` ("none" or a key of REMAT_POLICIES) rematerialises each layer in the backward pass.
     """
     ctx = make_context(cfg, input_ids, attention_mask=attention_mask, positions=positions,
                        segment_ids=segment_ids)

@@ -20,6 +20,7 @@ from conftest import SUBPROCESS_CACHE, rel_l2
 from ling_jax.config import LingConfig
 from ling_jax.model import forward_hidden, lm_head
 from ling_jax.params import init_params
+from train import loss as ce_loss
 from train.config import TrainConfig
 from train.data import IGNORE, PackedBatches
 from train.optim import make_optimizer
@@ -167,6 +168,54 @@ def test_gradients_match_finite_differences():
     analytic = sum(float(jnp.vdot(g, d))
                    for g, d in zip(jax.tree.leaves(grad), jax.tree.leaves(direction), strict=True))
     assert abs(fd - analytic) < 2e-3 * abs(analytic), (fd, analytic)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_cross_entropy_and_its_gradient_match_the_dense_softmax(monkeypatch, dtype, tol):
+    """The chunked CE (gradient made in the forward pass, 37 tokens in chunks of 8 with padding,
+    unlabelled rows) == -log_softmax of the whole logits matrix, value and both gradients."""
+    monkeypatch.setattr(ce_loss, "CE_CHUNK", 8)
+    ks = jax.random.split(jax.random.key(3), 3)
+    h = jax.random.normal(ks[0], (37, 16)).astype(dtype)
+    w = (jax.random.normal(ks[1], (16, 50)) * 0.5).astype(dtype)
+    labels = jax.random.randint(ks[2], (37,), 0, 50).at[jnp.array([0, 9, 36])].set(IGNORE)
+    cot = 0.37  # the loss's cotangent (1 / tokens in the train step)
+
+    def dense(h, w):
+        logp = jax.nn.log_softmax((h.astype(jnp.float32) @ w.astype(jnp.float32)), axis=-1)
+        nll = -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[:, None], axis=1)[:, 0]
+        return cot * jnp.sum(jnp.where(labels != IGNORE, nll, 0.0))
+
+    value, grads = jax.value_and_grad(lambda h, w: cot * ce_loss.cross_entropy_sum(h, w, labels), (0, 1))(h, w)
+    ref_value, ref_grads = jax.value_and_grad(dense, (0, 1))(h, w)
+    assert abs(float(value) - float(ref_value)) < tol * abs(float(ref_value))
+    assert abs(float(ce_loss.cross_entropy_sum(h, w, labels)) * cot - float(ref_value)) < tol * abs(float(ref_value))
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.dtype == dtype and rel_l2(g, r) < tol
+
+
+def test_dots_kernels_policy_keeps_the_kernels_outputs():
+    """Under remat "dots" the backward reruns the KDA forward kernels and the fused attention's
+    forward; under "dots_kernels" it does not (as without remat), and the gradients are the same.
+
+    Counted in the compiled program, where XLA has removed what nothing reads: on CPU each
+    interpreted Pallas kernel is a `while` loop over its grid."""
+    cfg = LingConfig.preset("debug", **GRAD_SHAPE, **FUSED_ATTENTION["pallas"], kda_impl="pallas")
+    params = init_params(cfg, seed=1)
+    ids = jax.random.randint(jax.random.key(0), (1, 64), 0, cfg.vocab_size)
+
+    def loss(p, remat):
+        h = forward_hidden(cfg, p, ids, remat=remat)["final"]
+        return jnp.sum(lm_head(cfg, p, h)[..., :8] ** 2)
+
+    loops, grads = {}, {}
+    for remat in ("none", "dots", "dots_kernels"):
+        compiled = jax.jit(jax.grad(lambda p, remat=remat: loss(p, remat))).lower(params).compile()
+        loops[remat] = compiled.as_text().count(" while(")
+        grads[remat] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(compiled(params))])
+    # rerun under "dots": KDA's 3 forward launches, the attention's forward (and the MoE's row maps)
+    assert loops["dots_kernels"] == loops["none"] <= loops["dots"] - 4, loops
+    assert rel_l2(grads["dots_kernels"], grads["none"]) < 1e-6 and rel_l2(grads["dots"], grads["none"]) < 1e-6
 
 
 def test_bias_update_moves_router_toward_balance():

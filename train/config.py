@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ling_jax.model import REMAT_POLICIES
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -32,7 +34,7 @@ class TrainConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     compute_dtype: str = "bfloat16"  # params are fp32 masters; forward/backward run in this dtype
-    remat: str = "full"  # "none", "full", "dots", "dots_all"
+    remat: str = "full"  # "none" or a policy of ling_jax.model.REMAT_POLICIES ("full", "dots", "dots_kernels", ...)
     bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (0 disables)
     mtp_loss_weight: float | None = None  # None: the model config's mtp_loss_scaling_factor
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # e.g. {"data": 2, "expert": 4}
@@ -77,8 +79,8 @@ class TrainConfig:
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.schedule_steps <= self.warmup_steps:
             raise ValueError("schedule='cosine' needs schedule_steps > warmup_steps")
-        if self.remat not in ("none", "full", "dots", "dots_all"):
-            raise ValueError(f"remat={self.remat!r} must be one of none, full, dots, dots_all")
+        if self.remat != "none" and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} must be 'none' or one of {sorted(REMAT_POLICIES)}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

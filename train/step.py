@@ -2,8 +2,8 @@
 balancing and a non-finite guard — one jitted function on a donated state.
 
 Params are float32 masters; the forward/backward runs on a copy cast to the compute dtype
-(float32 kept for `A_log`, `dt_bias`, `expert_bias`). The cross-entropy is computed in chunks of
-tokens with the logits rematerialised, so a [B, T, V] logits tensor never exists.
+(float32 kept for `A_log`, `dt_bias`, `expert_bias`). The cross-entropy is `train/loss.py`'s:
+chunked, its gradient made in the forward pass.
 """
 
 from __future__ import annotations
@@ -20,33 +20,13 @@ from ling_jax.model import forward_hidden
 from ling_jax.params import Params, build_tree, get_path
 from train.config import TrainConfig
 from train.data import IGNORE
+from train.loss import cross_entropy_sum
 from train.optim import learning_rate
-
-CE_CHUNK = 1024  # tokens per cross-entropy chunk
 
 
 def cast_for_compute(cfg: LingConfig, params: Params, dtype: Any) -> Params:
     keep = build_tree(cfg, lambda s: s.leaf.fp32)
     return jax.tree.map(lambda p, k: p if k else p.astype(dtype), params, keep)
-
-
-def cross_entropy_sum(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array) -> jax.Array:
-    """Sum over tokens with a label of -log softmax(h w)[label], in float32, chunk by chunk."""
-    n, d = h_ND.shape
-    pad = -n % CE_CHUNK
-    h = jnp.pad(h_ND, ((0, pad), (0, 0))).reshape(-1, CE_CHUNK, d)
-    lab = jnp.pad(labels_N, (0, pad), constant_values=IGNORE).reshape(-1, CE_CHUNK)
-
-    @jax.checkpoint
-    def chunk(total, xs):
-        h_CD, lab_C = xs
-        logits = (h_CD @ w_DV.astype(h_CD.dtype)).astype(jnp.float32)
-        tgt = jnp.take_along_axis(logits, jnp.maximum(lab_C, 0)[:, None], axis=1)[:, 0]
-        nll = jax.nn.logsumexp(logits, axis=-1) - tgt
-        return total + jnp.sum(jnp.where(lab_C != IGNORE, nll, 0.0)), None
-
-    total, _ = jax.lax.scan(chunk, jnp.float32(0.0), (h, lab))
-    return total
 
 
 def mtp_labels(labels_BT: jax.Array) -> jax.Array:
@@ -155,17 +135,20 @@ def make_train_step(cfg: LingConfig, tcfg: TrainConfig, optimizer: optax.Gradien
         grad_norm = optax.tree.norm(grads)
         loss = ce / n_tok
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & jnp.isfinite(mtp_ce)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        if tcfg.bias_update_rate > 0:
-            new_params = apply_bias_update(new_params, counts, tcfg.bias_update_rate)
 
-        def keep(new: Any, old: Any) -> Any:  # a non-finite step changes nothing
-            return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        def update(params: Params, opt_state: Any) -> tuple[Params, Any]:
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            if tcfg.bias_update_rate > 0:
+                new_params = apply_bias_update(new_params, counts, tcfg.bias_update_rate)
+            return new_params, opt_state
 
+        # a non-finite step changes nothing; a branch, not a select per leaf, so that a finite step
+        # updates the donated buffers in place in one pass
+        new_params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o), params, state["opt_state"])
         new_state = {
-            "params": keep(new_params, params),
-            "opt_state": keep(opt_state, state["opt_state"]),
+            "params": new_params,
+            "opt_state": opt_state,
             "step": state["step"] + finite.astype(jnp.int32),
             "bad_steps": jnp.where(finite, 0, state["bad_steps"] + 1),
         }

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.pallas_gpu import call_options, is_pow2
+from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -304,7 +305,7 @@ def _attention(qn, qr, kn, kr, v, vis, scale, blocks, interpret):
 
 
 def _attention_fwd(qn, qr, kn, kr, v, vis, scale, blocks, interpret):
-    o, lse = _forward(qn, qr, kn, kr, v, vis, scale, blocks, interpret)
+    o, lse = keep(*_forward(qn, qr, kn, kr, v, vis, scale, blocks, interpret))
     return o, (qn, qr, kn, kr, v, vis, o, lse)
 
 

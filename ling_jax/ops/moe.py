@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv
 from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
+from ling_jax.ops.saved import keep
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
@@ -234,7 +235,8 @@ def kernel_ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Arra
 
 
 def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel, full):
-    return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel, full), (x_MK, w_GKN, group_sizes_G)
+    y_MN, = keep(kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel, full))
+    return y_MN, (x_MK, w_GKN, group_sizes_G)
 
 
 def _krd_bwd(kernel, full, res, dy_MN):
@@ -258,7 +260,8 @@ def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Arra
 
 
 def _ard_fwd(x_SK, w_GKN, tile_group_T):
-    return aligned_ragged_dot(x_SK, w_GKN, tile_group_T), (x_SK, w_GKN, tile_group_T)
+    y_SN, = keep(aligned_ragged_dot(x_SK, w_GKN, tile_group_T))
+    return y_SN, (x_SK, w_GKN, tile_group_T)
 
 
 def _ard_bwd(res, dy_SN):
@@ -478,7 +481,8 @@ def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.Array
 
 
 def _dispatch_fwd(x_ND, copy_S, slot_M):
-    return dispatch(x_ND, copy_S, slot_M), (x_ND.shape[0], slot_M)
+    x_SD, = keep(dispatch(x_ND, copy_S, slot_M))
+    return x_SD, (x_ND.shape[0], slot_M)
 
 
 def _dispatch_bwd(res, dy_SD):

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from ling_jax.ops.kda import pallas_chunk as pc
 from ling_jax.ops.kda.gate import inv_l2_norm, kda_gate
 from ling_jax.ops.kda.reference import segment_starts
+from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
 Cfg = pc.Cfg
@@ -473,7 +474,8 @@ def _core(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
 def _core_fwd(cfg: Cfg, want_states: bool, q, k, v, g, beta, h0t, a_log, dt, masks):
     (o, ht, hs, vn), chunk_res = _run_forward(cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states=True,
                                               for_grad=True)
-    res = (q, k, v, g, beta, a_log, dt, masks, *chunk_res, hs, vn)
+    o, *kept = keep(o, *chunk_res, hs, vn)
+    res = (q, k, v, g, beta, a_log, dt, masks, *kept)
     return ((o, ht, hs.astype(F32)) if want_states else (o, ht)), res
 
 
