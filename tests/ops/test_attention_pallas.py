@@ -73,10 +73,12 @@ def _check(t, cuts, pad_front, dtype, tol_o, tol_g, blocks, b=2, h=2, dn=32, dr=
 
     g_ref = jax.grad(functools.partial(loss, ref), argnums=range(5))(*args)
     g = jax.grad(functools.partial(loss, ours), argnums=range(5))(*args)
+    # T=1: dq is 0 up to rounding, so its error is measured against the gradients' scale (dv's norm)
+    floor = float(np.linalg.norm(np.asarray(g_ref[-1], np.float64)))
     for name, x, y in zip(("dq_nope", "dq_rope", "dk_nope", "dk_rope", "dv"), g, g_ref, strict=True):
         assert x.shape == y.shape and x.dtype == y.dtype, name
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        assert np.linalg.norm(x - y) <= tol_g * max(np.linalg.norm(y), 1e-3), name  # T=1: dq is 0
+        assert np.linalg.norm(x - y) <= tol_g * max(np.linalg.norm(y), floor), name
 
 
 @pytest.mark.parametrize("t, cuts, pad_front", [
