@@ -296,7 +296,7 @@ def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BT
 def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
                    attention_mask: jax.Array | None = None, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None, mtp: bool = False, collect: bool = False,
-                   expert_counts: bool = False, remat: str = "none") -> dict[str, Any]:
+                   expert_counts: bool = False, remat: str = "none", unroll: bool = False) -> dict[str, Any]:
     """The model up to (not including) the lm_head.
 
     Returns {"final": final-normed hidden [B, T, D]}, plus
@@ -306,6 +306,8 @@ def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
       ([n, E] for a run, {"kda": [n, G-1, E], "mla": [n, E]} for groups, None for dense runs),
       and "mtp_expert_counts" ([E] per MoE MTP layer) if `expert_counts`.
     `remat` ("none" or a key of REMAT_POLICIES) rematerialises each layer in the backward pass.
+    `unroll`: the layers as straight-line code instead of scans (`run_stack`): no stacking of what
+    the backward pass keeps per layer, at the cost of compiling every layer.
     """
     ctx = make_context(cfg, input_ids, attention_mask=attention_mask, positions=positions,
                        segment_ids=segment_ids)
@@ -324,7 +326,7 @@ def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
             y["counts"] = _expert_counts(cfg, aux)
         return x, y
 
-    x, ys = run_stack(cfg, params, embed(params, input_ids), layer)
+    x, ys = run_stack(cfg, params, embed(params, input_ids), layer, unroll=unroll)
     out: dict[str, Any] = {"final": rms_norm(x, params["final_norm"], cfg.rms_norm_eps)}
     if mtp:
         out["mtp"], mtp_aux = mtp_hidden(cfg, params, input_ids, out["final"], ctx, remat)

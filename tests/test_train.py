@@ -77,6 +77,17 @@ def test_non_finite_step_is_skipped(tiny):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], before)
 
 
+def test_unrolled_layers_step_equals_scanned(tiny):
+    """unroll_layers=True (straight-line layers) takes the same step as the layer scans."""
+    cfg, tcfg, opt, step = tiny
+    unrolled = jax.jit(make_train_step(cfg, TrainConfig(**{**TCFG, "unroll_layers": True}), opt))
+    batch = jax.device_put(next(PackedBatches(corpus(50), seq_len=32, batch_size=4, eos_id=1)))
+    (sa, ma), (sb, mb) = step(fresh_state(cfg, opt), batch), unrolled(fresh_state(cfg, opt), batch)
+    assert abs(float(ma["loss"]) - float(mb["loss"])) < 1e-6 * float(ma["loss"])
+    flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(s["params"])]) for s in (sa, sb)]
+    assert rel_l2(flat[1], flat[0]) < 1e-6
+
+
 def _train_cli(out: Path, steps: int, data: Path, cfg_file: Path) -> subprocess.Popen:
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}

@@ -35,6 +35,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     compute_dtype: str = "bfloat16"  # params are fp32 masters; forward/backward run in this dtype
     remat: str = "full"  # "none" or a policy of ling_jax.model.REMAT_POLICIES ("full", "dots", "dots_kernels", ...)
+    unroll_layers: bool = False  # layers as straight-line code, not scans: faster steps, longer compiles
     bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (0 disables)
     mtp_loss_weight: float | None = None  # None: the model config's mtp_loss_scaling_factor
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # e.g. {"data": 2, "expert": 4}
