@@ -120,7 +120,7 @@ def main() -> None:
                    "params_B": sum(x.size for x in jax.tree.leaves(params)) / 1e9,
                    "peak_gib_so_far": peak_gib()}
             if args.profile:
-                run["profile"] = device_profile(one, f"{args.profile}/{impl}_{moe_impl}_{remat}", calls=2, top=30)
+                run["profile"] = device_profile(one, f"{args.profile}/{impl}_{moe_impl}_{remat}", calls=2, top=80)
                 print_profile(run["profile"])
             del holder, state, params
         except Exception as e:  # record an OOM or compile failure for this variant and go on

@@ -21,6 +21,8 @@ from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
+from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
+from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
 
 
@@ -33,29 +35,39 @@ def short_conv(a_BTP: jax.Array, w_PW: jax.Array, state_BWP: jax.Array | None,
     window holds the W-1 inputs before position `end_B` of each row (default T: the last ones),
     so a right-padded row keeps the window of its last real token.
     """
+    return conv_silu(a_BTP, w_PW, seg_BT, state_BWP), conv_window(a_BTP, w_PW.shape[1], state_BWP, end_B)
+
+
+def conv_window(a_BTP: jax.Array, width: int, state_BWP: jax.Array | None, end_B: jax.Array | None) -> jax.Array:
+    """The W-1 conv inputs before position `end_B` of each row (None: T), the window a decode continues from."""
     b, t, p = a_BTP.shape
-    w = w_PW.shape[1]
     if state_BWP is None:
-        state_BWP = jnp.zeros((b, w - 1, p), a_BTP.dtype)
+        state_BWP = jnp.zeros((b, width - 1, p), a_BTP.dtype)
     ext_BXP = jnp.concatenate([state_BWP.astype(a_BTP.dtype), a_BTP], axis=1)
-    out_BTP = jnp.zeros((b, t, p), jnp.float32)
-    for j in range(w):
-        shift = w - 1 - j
-        tap_BTP = ext_BXP[:, j : j + t].astype(jnp.float32)
-        if seg_BT is not None and shift:
-            prev = jnp.concatenate([jnp.full((b, shift), -1, seg_BT.dtype), seg_BT[:, :-shift]], 1)
-            tap_BTP = jnp.where((prev == seg_BT)[..., None], tap_BTP, 0.0)
-        out_BTP = out_BTP + tap_BTP * w_PW[:, j].astype(jnp.float32)
     if end_B is None:
-        window = ext_BXP[:, t:]
-    else:
-        window = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, w - 1, axis=0))(ext_BXP, end_B)
-    return jax.nn.silu(out_BTP).astype(a_BTP.dtype), window
+        return ext_BXP[:, t:]
+    return jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, width - 1, axis=0))(ext_BXP, end_B)
+
+
+def _conv_impl(impl: str, p: int) -> str:
+    """The short conv's form beside a KDA `impl`: its kernels where the KDA kernels run on a GPU (or
+    interpreted off GPU/TPU, as in tests), on one device (GSPMD cannot partition a kernel), for q/k/v
+    of width `p` the kernels take; else XLA."""
+    use = (impl == "pallas" and jax.default_backend() != "tpu" and not multi_device(context_mesh())
+           and conv_supports(p, 3))
+    return "pallas" if use else "xla"
 
 
 # dims of each kimi_delta_attention argument: "b" batch, "h" heads, None unsharded
 _KDA_DIMS = {"q": "b.h.", "k": "b.h.", "v": "b.h.", "g": "b.h.", "beta": "b.h", "initial_state": "bh..",
              "segment_ids": "b.", "a_log": "h", "dt_bias": "h."}
+
+
+def _kda_impl(cfg: LingConfig) -> str:
+    """The KDA implementation `cfg.kda_impl` resolves to for the config's gate (fused, or precomputed
+    by `kda_gate` with the same bound) and head width."""
+    return resolve_impl(cfg.kda_impl, bounded_gate(cfg.kda_lower_bound),
+                        supports(DEFAULT_CHUNK, cfg.head_dim, cfg.head_dim))
 
 
 def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tuple[jax.Array, jax.Array]:
@@ -65,9 +77,7 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     args = {k: v for k, v in args.items() if v is not None}
     lower_bound = args.pop("lower_bound", cfg.kda_lower_bound)
 
-    # g is the config's gate, fused (a_log given) or precomputed by `kda_gate` with the same bound
-    impl = resolve_impl(cfg.kda_impl, bounded_gate(cfg.kda_lower_bound),
-                        supports(DEFAULT_CHUNK, cfg.head_dim, cfg.head_dim))
+    impl = _kda_impl(cfg)
 
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]
@@ -115,7 +125,10 @@ def kda_mixer(
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype
     with jax.named_scope("qkv"):
-        qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+        if t > 1:  # one matmul on the weights side by side: its gradient is one matmul, not a split + 3
+            qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
+        else:  # decode: no per-step copy of the weights
+            qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
         if t == 1 and cache is not None:
             # decode: keep the projections out of the fusion that stacks every layer's new conv window
             # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
@@ -124,9 +137,14 @@ def kda_mixer(
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
     end_B = None if valid_BT is None else t - jnp.argmax(valid_BT[:, ::-1], axis=1)  # after the last real token
-    qkv_BT3P, conv_state = short_conv(qkv_BT3P, w_3PW, None if cache is None else cache["conv"],
-                                      segment_ids, end_B)
-    q_BTHK, k_BTHK, v_BTHV = (a.reshape(b, t, h, dh) for a in jnp.split(qkv_BT3P, 3, axis=-1))
+    if cache is None and t > 1:  # a whole sequence: the parts come out of the conv separately
+        conv_state = conv_window(qkv_BT3P, w_3PW.shape[1], None, end_B)
+        qkv = conv_silu_parts(qkv_BT3P, w_3PW, segment_ids, 3, impl=_conv_impl(_kda_impl(cfg), pw))
+    else:
+        qkv_BT3P, conv_state = short_conv(qkv_BT3P, w_3PW, None if cache is None else cache["conv"],
+                                          segment_ids, end_B)
+        qkv = jnp.split(qkv_BT3P, 3, axis=-1)
+    q_BTHK, k_BTHK, v_BTHV = (a.reshape(b, t, h, dh) for a in qkv)
     f_BTHK = _proj(x_BTD, p, "f").reshape(b, t, h, dh)
     beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
     gate_kw: dict[str, Any] = dict(a_log=p["A_log"], dt_bias=p["dt_bias"], lower_bound=cfg.kda_lower_bound)

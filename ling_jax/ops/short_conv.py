@@ -1,0 +1,224 @@
+"""KDA's causal depthwise short convolution + SiLU (ARCHITECTURE.md §2.4), as XLA and as Pallas kernels.
+
+`conv_silu` is the XLA form (float32 taps, a carried window, segment restarts); it serves decode,
+chunked prefill and every backend without the kernels. `conv_silu_parts` is the training/prefill
+form on a whole sequence: the q/k/v projections side by side in `x` [B, T, n*P], the n convolved
+parts returned separately. With `impl="pallas"` it is a custom VJP of two Triton kernels (CPU:
+interpret mode):
+  - forward: one pass reads x and writes the n parts (no split copies);
+  - backward: one pass reads x and the parts' cotangents, recomputes the pre-activation at the
+    W shifted rows each output row feeds, and writes dx plus per-block partial sums of dw.
+XLA's own gradient of `conv_silu` recomputed the convolution inside several multi-output reduction
+fusions and materialised the split and concat around it (H200 profile of the train step, ~40 ms of
+8 layers' 370 ms, BENCHMARKS.md).
+
+Each tap reads its shifted rows straight from memory (the rows another program also reads come from
+cache), so programs need no halo exchange: the layout of FLA's causal-conv kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+from ling_jax.ops.saved import keep
+
+F32 = jnp.float32
+BLOCK_T, BLOCK_P = 32, 64  # rows x channels per program (Triton: powers of two)
+WARPS = 4
+
+
+def conv_silu(x_BTP: jax.Array, w_PW: jax.Array, seg_BT: jax.Array | None = None,
+              state_BWP: jax.Array | None = None) -> jax.Array:
+    """silu(causal depthwise conv) [B, T, P] in x's dtype, float32 inside (the XLA form).
+
+    `state_BWP` holds the W-1 inputs before x (None: zeros, a sequence start); tap W-1 multiplies the
+    current row. With `seg_BT`, taps that reach into an earlier segment read zero.
+    """
+    b, t, p = x_BTP.shape
+    w = w_PW.shape[1]
+    if state_BWP is None:
+        state_BWP = jnp.zeros((b, w - 1, p), x_BTP.dtype)
+    ext_BXP = jnp.concatenate([state_BWP.astype(x_BTP.dtype), x_BTP], axis=1)
+    out_BTP = jnp.zeros((b, t, p), F32)
+    for j in range(w):
+        shift = w - 1 - j
+        tap_BTP = ext_BXP[:, j : j + t].astype(F32)
+        if seg_BT is not None and shift:
+            prev = jnp.concatenate([jnp.full((b, shift), -1, seg_BT.dtype), seg_BT], 1)[:, :t]
+            tap_BTP = jnp.where((prev == seg_BT)[..., None], tap_BTP, 0.0)
+        out_BTP = out_BTP + tap_BTP * w_PW[:, j].astype(F32)
+    return jax.nn.silu(out_BTP).astype(x_BTP.dtype)
+
+
+def supports(p: int, parts: int) -> bool:
+    """Whether the kernels take parts of width `p`: a power of two of at least BLOCK_P channels."""
+    return parts >= 1 and is_pow2(p) and p >= BLOCK_P
+
+
+def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None, parts: int, *,
+                    impl: str = "xla", interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """`conv_silu` of a whole sequence (no carried window) of Q = parts * P channels, split into the
+    `parts` results [B, T, P]. impl "pallas": the kernels (`supports(P, parts)` required), "xla": the
+    XLA form. Under `jax.checkpoint` the kernels' parts are kept (`saved.keep`)."""
+    b, t, q = x_BTQ.shape
+    if q % parts:
+        raise ValueError(f"{q} channels do not split into {parts} parts")
+    if impl == "xla":
+        return tuple(jnp.split(conv_silu(x_BTQ, w_QW, seg_BT), parts, axis=-1))
+    if impl != "pallas":
+        raise ValueError(f"impl={impl!r}: must be 'xla' or 'pallas'")
+    if not supports(q // parts, parts):
+        raise ValueError(f"the short-conv kernels need parts of a power-of-two width >= {BLOCK_P}, got {q // parts}")
+    seg = jnp.zeros((b, t), jnp.int32) if seg_BT is None else seg_BT.astype(jnp.int32)
+    return keep(*_conv_parts(parts, seg_BT is not None, interpret, x_BTQ, w_QW.astype(F32).T, seg))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: grid (B, T / BLOCK_T, P / BLOCK_P); every program handles its block of all parts
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_rows(ref, bi, rows, cols, ok):
+    """ref[bi, rows, cols] as float32 where `ok` (per row), zero elsewhere."""
+    from jax.experimental.pallas import triton as pltriton
+
+    safe = jnp.where(ok, rows, 0)
+    return pltriton.load(ref.at[bi, safe[:, None], cols[None, :]], mask=ok[:, None], other=0).astype(F32)
+
+
+def _same_segment(seg_ref, bi, rows, ok, seg_here):
+    """Whether each row in `rows` (valid where `ok`) is in the segment `seg_here` of its output row."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return ok & (pltriton.load(seg_ref.at[bi, jnp.where(ok, rows, 0)], mask=ok, other=-1) == seg_here)
+
+
+def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, segments: bool):
+    from jax.experimental.pallas import triton as pltriton
+
+    width = wt_ref.shape[0]
+    p = out_refs[0].shape[2]
+    bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = ti * BLOCK_T + jnp.arange(BLOCK_T)
+    cols = pj * BLOCK_P + jnp.arange(BLOCK_P)
+    live = rows < t
+    seg_here = pltriton.load(seg_ref.at[bi, jnp.where(live, rows, 0)], mask=live, other=-1)
+    oks = []
+    for j in range(width):
+        shift = width - 1 - j
+        ok = live & (rows >= shift)
+        oks.append(_same_segment(seg_ref, bi, rows - shift, ok, seg_here) if segments and shift else ok)
+    for part, out_ref in enumerate(out_refs):
+        pcols = part * p + cols
+        acc = jnp.zeros((BLOCK_T, BLOCK_P), F32)
+        for j in range(width):
+            w_row = pltriton.load(wt_ref.at[j, pcols])
+            acc += _load_rows(x_ref, bi, rows - (width - 1 - j), pcols, oks[j]) * w_row[None, :]
+        y = acc * jax.nn.sigmoid(acc)  # rows past t: zero, in the padding `_run_fwd` slices off
+        pltriton.store(out_ref.at[bi, rows[:, None], cols[None, :]], y.astype(out_ref.dtype))
+
+
+def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, segments: bool, parts: int):
+    """dx[r] = sum_s dpre[r + s] w[W-1-s] (same segment), dpre[u] = dy[u] silu'(pre[u]), pre recomputed
+    from x[u - s'] at every shifted row u = r + s; dw[j] partial = sum over the block's rows r of
+    dpre[r] x[r - (W-1-j)]."""
+    from jax.experimental.pallas import triton as pltriton
+
+    dys, (dx_ref, dw_ref) = refs[:parts], refs[parts:]
+    width = wt_ref.shape[0]
+    p = dys[0].shape[2]
+    bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = ti * BLOCK_T + jnp.arange(BLOCK_T)
+    cols = pj * BLOCK_P + jnp.arange(BLOCK_P)
+    # rows r + d for d in (-(W-1), ..., W-1): in range, and (with segments) their segment ids
+    offsets = range(-(width - 1), width)
+    inr = {d: (rows + d >= 0) & (rows + d < t) for d in offsets}
+    segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1) if segments
+            else None for d in offsets}
+
+    def tap_ok(u: int, d: int):
+        """Row r + d feeds output row r + u (u >= d) through tap shift u - d."""
+        ok = inr[d] & inr[u]
+        return ok & (segs[d] == segs[u]) if segments and u != d else ok
+
+    for part in range(parts):
+        pcols = part * p + cols
+        w_rows = [pltriton.load(wt_ref.at[j, pcols])[None, :] for j in range(width)]
+        xs = {d: _load_rows(x_ref, bi, rows + d, pcols, inr[d]) for d in offsets}
+        dx = jnp.zeros((BLOCK_T, BLOCK_P), F32)
+        dw = [jnp.zeros((BLOCK_P,), F32) for _ in range(width)]
+        for s in range(width):  # output rows r + s, which read x[r] through tap W-1-s
+            pre = jnp.zeros((BLOCK_T, BLOCK_P), F32)
+            for j in range(width):
+                d = s - (width - 1 - j)
+                pre += jnp.where(tap_ok(s, d)[:, None], xs[d], 0.0) * w_rows[j]
+            sig = jax.nn.sigmoid(pre)
+            dpre = _load_rows(dys[part], bi, rows + s, cols, inr[s]) * sig * (1.0 + pre * (1.0 - sig))
+            dx += jnp.where(tap_ok(s, 0)[:, None], dpre, 0.0) * w_rows[width - 1 - s]
+            if s == 0:  # the block's own rows: their dw terms
+                for j in range(width):
+                    d = -(width - 1 - j)
+                    dw[j] = jnp.sum(jnp.where(tap_ok(0, d)[:, None], xs[d], 0.0) * dpre, axis=0)
+        pltriton.store(dx_ref.at[bi, rows[:, None], pcols[None, :]], dx.astype(dx_ref.dtype))
+        for j in range(width):
+            pltriton.store(dw_ref.at[bi, ti, j, pcols], dw[j])
+
+
+def _grid(b: int, t: int, p: int) -> tuple[int, int, int]:
+    return b, pl.cdiv(t, BLOCK_T), p // BLOCK_P
+
+
+def _padded(t: int) -> int:
+    """Rows of the kernels' outputs: whole row blocks, so no store is masked (the interpreter's scatter
+    would let a masked row's index collide with a live one)."""
+    return pl.cdiv(t, BLOCK_T) * BLOCK_T
+
+
+def _run_fwd(parts, segments, interpret, x, wt, seg):
+    b, t, q = x.shape
+    shape = (b, _padded(t), q // parts)
+    ys = pl.pallas_call(
+        functools.partial(_fwd_kernel, t=t, segments=segments),
+        grid=_grid(b, t, shape[2]),
+        in_specs=[whole(x), whole(wt), whole(seg)],
+        out_specs=[pl.BlockSpec(shape, lambda *_: (0, 0, 0))] * parts,
+        out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)] * parts,
+        name="short_conv_fwd",
+        **call_options(interpret, num_warps=WARPS, num_stages=1),
+    )(x, wt, seg)
+    return [y[:, :t] for y in ys]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _conv_parts(parts, segments, interpret, x, wt, seg):
+    return tuple(_run_fwd(parts, segments, interpret, x, wt, seg))
+
+
+def _conv_parts_fwd(parts, segments, interpret, x, wt, seg):
+    return _conv_parts(parts, segments, interpret, x, wt, seg), (x, wt, seg)
+
+
+def _conv_parts_bwd(parts, segments, interpret, res, dys):
+    x, wt, seg = res
+    b, t, q = x.shape
+    p = q // parts
+    grid = _grid(b, t, p)
+    dx_shape, dw_shape = (b, _padded(t), q), (b, grid[1], wt.shape[0], q)
+    dx, dw_part = pl.pallas_call(
+        functools.partial(_bwd_kernel, t=t, segments=segments, parts=parts),
+        grid=grid,
+        in_specs=[whole(x), whole(wt), whole(seg)] + [whole(dy) for dy in dys],
+        out_specs=[pl.BlockSpec(dx_shape, lambda *_: (0, 0, 0)), pl.BlockSpec(dw_shape, lambda *_: (0, 0, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct(dx_shape, x.dtype), jax.ShapeDtypeStruct(dw_shape, F32)],
+        name="short_conv_bwd",
+        **call_options(interpret, num_warps=WARPS, num_stages=1),
+    )(x, wt, seg, *(dy.astype(x.dtype) for dy in dys))
+    return dx[:, :t], jnp.sum(dw_part, axis=(0, 1)).astype(wt.dtype), None
+
+
+_conv_parts.defvjp(_conv_parts_fwd, _conv_parts_bwd)
