@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--remat", nargs="+", default=["full", "dots"])
     ap.add_argument("--unroll-layers", action="store_true", help="TrainConfig.unroll_layers (no layer scans)")
+    ap.add_argument("--logits-dtype", default="float32", help="TrainConfig.logits_dtype (the loss's logits)")
     ap.add_argument("--kda-impl", nargs="+", default=["pallas", "chunked"])
     ap.add_argument("--moe-impl", nargs="+", default=["auto"], help="the config's moe_impl (e.g. aligned, mgpu)")
     ap.add_argument("--steps", type=int, default=5)
@@ -82,7 +83,7 @@ def main() -> None:
     base = LingConfig.preset(args.preset, num_hidden_layers=args.layers)
     result = {**machine(), "preset": args.preset, "layers": args.layers, "seq_len": args.seq_len,
               "batch_size": args.batch_size,
-              "unroll_layers": args.unroll_layers, "runs": []}
+              "unroll_layers": args.unroll_layers, "logits_dtype": args.logits_dtype, "runs": []}
     peak = peak_flops_per_device()
     measured = matmul_rate(1024 if args.smoke else 8192)
     result["peak_bf16_flops_datasheet"], result["bf16_matmul_flops_measured"] = peak, measured
@@ -92,7 +93,8 @@ def main() -> None:
     for impl, moe_impl, remat in itertools.product(args.kda_impl, args.moe_impl, args.remat):
         cfg = dataclasses.replace(base, kda_impl=impl, moe_impl=moe_impl)
         tcfg = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, remat=remat,
-                           unroll_layers=args.unroll_layers, compute_dtype="bfloat16", mtp_loss_weight=0.0)
+                           unroll_layers=args.unroll_layers, logits_dtype=args.logits_dtype, compute_dtype="bfloat16",
+                           mtp_loss_weight=0.0)
         opt = make_optimizer(cfg, tcfg)
         try:
             params = random_params(cfg, jnp.float32)

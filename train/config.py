@@ -36,6 +36,7 @@ class TrainConfig:
     compute_dtype: str = "bfloat16"  # params are fp32 masters; forward/backward run in this dtype
     remat: str = "full"  # "none" or a policy of ling_jax.model.REMAT_POLICIES ("full", "dots", "dots_kernels", ...)
     unroll_layers: bool = False  # layers as straight-line code, not scans: faster steps, longer compiles
+    logits_dtype: str = "float32"  # the lm_head matmul's output for the loss; "bfloat16" is faster (train/loss.py)
     bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (0 disables)
     mtp_loss_weight: float | None = None  # None: the model config's mtp_loss_scaling_factor
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)  # e.g. {"data": 2, "expert": 4}
@@ -80,6 +81,8 @@ class TrainConfig:
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.schedule_steps <= self.warmup_steps:
             raise ValueError("schedule='cosine' needs schedule_steps > warmup_steps")
+        if self.logits_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"logits_dtype={self.logits_dtype!r} must be 'float32' or 'bfloat16'")
         if self.remat != "none" and self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} must be 'none' or one of {sorted(REMAT_POLICIES)}")
 

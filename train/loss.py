@@ -19,9 +19,16 @@ CE_CHUNK = 4096  # tokens per chunk: its float32 logits [CE_CHUNK, vocab] are th
 F32 = jnp.float32
 
 
-def cross_entropy_sum(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array) -> jax.Array:
-    """Sum over tokens with a label (not IGNORE) of -log softmax(h w)[label], float32 logits."""
-    return _ce(h_ND, w_DV, labels_N, min(CE_CHUNK, h_ND.shape[0]))
+def cross_entropy_sum(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array, logits_dtype: str = "float32"
+                      ) -> jax.Array:
+    """Sum over tokens with a label (not IGNORE) of -log softmax(h w)[label].
+
+    The matmul writes its logits in `logits_dtype`; the softmax always sums in float32. "bfloat16"
+    (MaxText's default) halves the traffic of the softmax passes over the [tokens, vocab] logits, at
+    bf16's rounding of each logit (|error| <= |logit| / 256)."""
+    if logits_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"logits_dtype={logits_dtype!r}: must be 'float32' or 'bfloat16'")
+    return _ce(h_ND, w_DV, labels_N, min(CE_CHUNK, h_ND.shape[0]), logits_dtype)
 
 
 def _chunks(h_ND: jax.Array, labels_N: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
@@ -32,26 +39,27 @@ def _chunks(h_ND: jax.Array, labels_N: jax.Array, c: int) -> tuple[jax.Array, ja
     return h_JCD, lab_JC
 
 
-def _nll(h_CD: jax.Array, w_DV: jax.Array, lab_C: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _nll(h_CD: jax.Array, w_DV: jax.Array, lab_C: jax.Array, logits_dtype: str
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(summed nll, logits [C, V] f32, log-sum-exp [C]) of one chunk."""
-    logits_CV = jnp.einsum("cd,dv->cv", h_CD, w_DV, preferred_element_type=F32)
+    logits_CV = jnp.einsum("cd,dv->cv", h_CD, w_DV, preferred_element_type=logits_dtype).astype(F32)
     lse_C = jax.nn.logsumexp(logits_CV, axis=-1)
     tgt_C = jnp.take_along_axis(logits_CV, jnp.maximum(lab_C, 0)[:, None], axis=1)[:, 0]
     return jnp.sum(jnp.where(lab_C != IGNORE, lse_C - tgt_C, 0.0)), logits_CV, lse_C
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ce(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array, c: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array, c: int, logits_dtype: str) -> jax.Array:
     h_JCD, lab_JC = _chunks(h_ND, labels_N, c)
     w_DV = w_DV.astype(h_ND.dtype)
 
     def chunk(total, xs):
-        return total + _nll(xs[0], w_DV, xs[1])[0], None
+        return total + _nll(xs[0], w_DV, xs[1], logits_dtype)[0], None
 
     return jax.lax.scan(chunk, F32(0.0), (h_JCD, lab_JC))[0]
 
 
-def _ce_fwd(h_ND, w_DV, labels_N, c):
+def _ce_fwd(h_ND, w_DV, labels_N, c, logits_dtype):
     n, d = h_ND.shape
     h_JCD, lab_JC = _chunks(h_ND, labels_N, c)
     wc_DV = w_DV.astype(h_ND.dtype)
@@ -60,7 +68,7 @@ def _ce_fwd(h_ND, w_DV, labels_N, c):
     def chunk(carry, xs):
         total, dw_DV = carry
         h_CD, lab_C = xs
-        nll, logits_CV, lse_C = _nll(h_CD, wc_DV, lab_C)
+        nll, logits_CV, lse_C = _nll(h_CD, wc_DV, lab_C, logits_dtype)
         # d nll / d logits = softmax - onehot(label); zero on rows without a label
         onehot_CV = jnp.arange(vocab, dtype=lab_C.dtype) == lab_C[:, None]
         dlogits_CV = jnp.where((lab_C != IGNORE)[:, None], jnp.exp(logits_CV - lse_C[:, None]) - onehot_CV, 0.0)
@@ -73,7 +81,7 @@ def _ce_fwd(h_ND, w_DV, labels_N, c):
     return total, (dh_JCD.reshape(-1, d)[:n].astype(h_ND.dtype), dw_DV.astype(w_DV.dtype))
 
 
-def _ce_bwd(c, res, g):
+def _ce_bwd(c, logits_dtype, res, g):
     dh_ND, dw_DV = res
     return (g * dh_ND).astype(dh_ND.dtype), (g * dw_DV).astype(dw_DV.dtype), None
 

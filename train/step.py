@@ -50,10 +50,11 @@ def loss_terms(cfg: LingConfig, tcfg: TrainConfig, params: Params, batch: dict[s
                          unroll=tcfg.unroll_layers)
     head = p["embed"].T if cfg.tie_word_embeddings else p["lm_head"]
     d = cfg.hidden_size
-    ce = cross_entropy_sum(out["final"].reshape(-1, d), head, batch["labels"].reshape(-1))
+    ce = cross_entropy_sum(out["final"].reshape(-1, d), head, batch["labels"].reshape(-1), tcfg.logits_dtype)
     mtp_ce = jnp.float32(0.0)
     if use_mtp:
-        mtp_ce = cross_entropy_sum(out["mtp"][0].reshape(-1, d), head, mtp_labels(batch["labels"]).reshape(-1))
+        mtp_ce = cross_entropy_sum(out["mtp"][0].reshape(-1, d), head, mtp_labels(batch["labels"]).reshape(-1),
+                                   tcfg.logits_dtype)
     counts = {"segments": out["expert_counts"], "mtp": out.get("mtp_expert_counts", [])}
     return ce, mtp_ce, counts
 

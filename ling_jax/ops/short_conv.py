@@ -18,6 +18,7 @@ cache), so programs need no halo exchange: the layout of FLA's causal-conv kerne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -55,16 +56,18 @@ def conv_silu(x_BTP: jax.Array, w_PW: jax.Array, seg_BT: jax.Array | None = None
     return jax.nn.silu(out_BTP).astype(x_BTP.dtype)
 
 
-def supports(p: int, parts: int) -> bool:
-    """Whether the kernels take parts of width `p`: a power of two of at least BLOCK_P channels."""
-    return parts >= 1 and is_pow2(p) and p >= BLOCK_P
+def supports(p: int, parts: int, block_p: int = BLOCK_P) -> bool:
+    """Whether the kernels take parts of width `p`: a power of two of at least `block_p` channels."""
+    return parts >= 1 and is_pow2(p) and p >= block_p
 
 
 def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None, parts: int, *,
-                    impl: str = "xla", interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                    impl: str = "xla", interpret: bool | None = None,
+                    blocks: tuple[int, int] = (BLOCK_T, BLOCK_P)) -> tuple[jax.Array, ...]:
     """`conv_silu` of a whole sequence (no carried window) of Q = parts * P channels, split into the
-    `parts` results [B, T, P]. impl "pallas": the kernels (`supports(P, parts)` required), "xla": the
-    XLA form. Under `jax.checkpoint` the kernels' parts are kept (`saved.keep`)."""
+    `parts` results [B, T, P]. impl "pallas": the kernels (`supports(P, parts)` required) with tiles of
+    `blocks` (rows, channels: powers of two), "xla": the XLA form. Under `jax.checkpoint` the kernels'
+    parts are kept (`saved.keep`)."""
     b, t, q = x_BTQ.shape
     if q % parts:
         raise ValueError(f"{q} channels do not split into {parts} parts")
@@ -72,10 +75,12 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
         return tuple(jnp.split(conv_silu(x_BTQ, w_QW, seg_BT), parts, axis=-1))
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: must be 'xla' or 'pallas'")
-    if not supports(q // parts, parts):
-        raise ValueError(f"the short-conv kernels need parts of a power-of-two width >= {BLOCK_P}, got {q // parts}")
+    if not (is_pow2(blocks[0]) and supports(q // parts, parts, blocks[1])):
+        raise ValueError(f"the short-conv kernels need parts of a power-of-two width >= {blocks[1]} and "
+                         f"power-of-two blocks, got width {q // parts}, blocks {blocks}")
     seg = jnp.zeros((b, t), jnp.int32) if seg_BT is None else seg_BT.astype(jnp.int32)
-    return keep(*_conv_parts(parts, seg_BT is not None, interpret, x_BTQ, w_QW.astype(F32).T, seg))
+    kw = _Static(parts, seg_BT is not None, interpret, *blocks)
+    return keep(*_conv_parts(kw, x_BTQ, w_QW.astype(F32).T, seg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,24 +103,35 @@ def _same_segment(seg_ref, bi, rows, ok, seg_here):
     return ok & (pltriton.load(seg_ref.at[bi, jnp.where(ok, rows, 0)], mask=ok, other=-1) == seg_here)
 
 
-def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, segments: bool):
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The kernels' static settings (a hashable custom-VJP argument)."""
+
+    parts: int
+    segments: bool
+    interpret: bool | None
+    bt: int  # rows per program
+    bp: int  # channels per program and part
+
+
+def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, kw: _Static):
     from jax.experimental.pallas import triton as pltriton
 
     width = wt_ref.shape[0]
     p = out_refs[0].shape[2]
     bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = ti * BLOCK_T + jnp.arange(BLOCK_T)
-    cols = pj * BLOCK_P + jnp.arange(BLOCK_P)
+    rows = ti * kw.bt + jnp.arange(kw.bt)
+    cols = pj * kw.bp + jnp.arange(kw.bp)
     live = rows < t
     seg_here = pltriton.load(seg_ref.at[bi, jnp.where(live, rows, 0)], mask=live, other=-1)
     oks = []
     for j in range(width):
         shift = width - 1 - j
         ok = live & (rows >= shift)
-        oks.append(_same_segment(seg_ref, bi, rows - shift, ok, seg_here) if segments and shift else ok)
+        oks.append(_same_segment(seg_ref, bi, rows - shift, ok, seg_here) if kw.segments and shift else ok)
     for part, out_ref in enumerate(out_refs):
         pcols = part * p + cols
-        acc = jnp.zeros((BLOCK_T, BLOCK_P), F32)
+        acc = jnp.zeros((kw.bt, kw.bp), F32)
         for j in range(width):
             w_row = pltriton.load(wt_ref.at[j, pcols])
             acc += _load_rows(x_ref, bi, rows - (width - 1 - j), pcols, oks[j]) * w_row[None, :]
@@ -123,37 +139,37 @@ def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, segments: bool):
         pltriton.store(out_ref.at[bi, rows[:, None], cols[None, :]], y.astype(out_ref.dtype))
 
 
-def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, segments: bool, parts: int):
+def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, kw: _Static):
     """dx[r] = sum_s dpre[r + s] w[W-1-s] (same segment), dpre[u] = dy[u] silu'(pre[u]), pre recomputed
     from x[u - s'] at every shifted row u = r + s; dw[j] partial = sum over the block's rows r of
     dpre[r] x[r - (W-1-j)]."""
     from jax.experimental.pallas import triton as pltriton
 
-    dys, (dx_ref, dw_ref) = refs[:parts], refs[parts:]
+    dys, (dx_ref, dw_ref) = refs[:kw.parts], refs[kw.parts:]
     width = wt_ref.shape[0]
     p = dys[0].shape[2]
     bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = ti * BLOCK_T + jnp.arange(BLOCK_T)
-    cols = pj * BLOCK_P + jnp.arange(BLOCK_P)
+    rows = ti * kw.bt + jnp.arange(kw.bt)
+    cols = pj * kw.bp + jnp.arange(kw.bp)
     # rows r + d for d in (-(W-1), ..., W-1): in range, and (with segments) their segment ids
     offsets = range(-(width - 1), width)
     inr = {d: (rows + d >= 0) & (rows + d < t) for d in offsets}
-    segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1) if segments
+    segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1) if kw.segments
             else None for d in offsets}
 
     def tap_ok(u: int, d: int):
         """Row r + d feeds output row r + u (u >= d) through tap shift u - d."""
         ok = inr[d] & inr[u]
-        return ok & (segs[d] == segs[u]) if segments and u != d else ok
+        return ok & (segs[d] == segs[u]) if kw.segments and u != d else ok
 
-    for part in range(parts):
+    for part in range(kw.parts):
         pcols = part * p + cols
         w_rows = [pltriton.load(wt_ref.at[j, pcols])[None, :] for j in range(width)]
         xs = {d: _load_rows(x_ref, bi, rows + d, pcols, inr[d]) for d in offsets}
-        dx = jnp.zeros((BLOCK_T, BLOCK_P), F32)
-        dw = [jnp.zeros((BLOCK_P,), F32) for _ in range(width)]
+        dx = jnp.zeros((kw.bt, kw.bp), F32)
+        dw = [jnp.zeros((kw.bp,), F32) for _ in range(width)]
         for s in range(width):  # output rows r + s, which read x[r] through tap W-1-s
-            pre = jnp.zeros((BLOCK_T, BLOCK_P), F32)
+            pre = jnp.zeros((kw.bt, kw.bp), F32)
             for j in range(width):
                 d = s - (width - 1 - j)
                 pre += jnp.where(tap_ok(s, d)[:, None], xs[d], 0.0) * w_rows[j]
@@ -169,54 +185,53 @@ def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, segments: bool, parts: in
             pltriton.store(dw_ref.at[bi, ti, j, pcols], dw[j])
 
 
-def _grid(b: int, t: int, p: int) -> tuple[int, int, int]:
-    return b, pl.cdiv(t, BLOCK_T), p // BLOCK_P
+def _grid(kw: _Static, b: int, t: int, p: int) -> tuple[int, int, int]:
+    return b, pl.cdiv(t, kw.bt), p // kw.bp
 
 
-def _padded(t: int) -> int:
+def _padded(kw: _Static, t: int) -> int:
     """Rows of the kernels' outputs: whole row blocks, so no store is masked (the interpreter's scatter
     would let a masked row's index collide with a live one)."""
-    return pl.cdiv(t, BLOCK_T) * BLOCK_T
+    return pl.cdiv(t, kw.bt) * kw.bt
 
 
-def _run_fwd(parts, segments, interpret, x, wt, seg):
+def _run_fwd(kw: _Static, x, wt, seg):
     b, t, q = x.shape
-    shape = (b, _padded(t), q // parts)
+    shape = (b, _padded(kw, t), q // kw.parts)
     ys = pl.pallas_call(
-        functools.partial(_fwd_kernel, t=t, segments=segments),
-        grid=_grid(b, t, shape[2]),
+        functools.partial(_fwd_kernel, t=t, kw=kw),
+        grid=_grid(kw, b, t, shape[2]),
         in_specs=[whole(x), whole(wt), whole(seg)],
-        out_specs=[pl.BlockSpec(shape, lambda *_: (0, 0, 0))] * parts,
-        out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)] * parts,
+        out_specs=[pl.BlockSpec(shape, lambda *_: (0, 0, 0))] * kw.parts,
+        out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)] * kw.parts,
         name="short_conv_fwd",
-        **call_options(interpret, num_warps=WARPS, num_stages=1),
+        **call_options(kw.interpret, num_warps=WARPS, num_stages=1),
     )(x, wt, seg)
     return [y[:, :t] for y in ys]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _conv_parts(parts, segments, interpret, x, wt, seg):
-    return tuple(_run_fwd(parts, segments, interpret, x, wt, seg))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv_parts(kw: _Static, x, wt, seg):
+    return tuple(_run_fwd(kw, x, wt, seg))
 
 
-def _conv_parts_fwd(parts, segments, interpret, x, wt, seg):
-    return _conv_parts(parts, segments, interpret, x, wt, seg), (x, wt, seg)
+def _conv_parts_fwd(kw: _Static, x, wt, seg):
+    return _conv_parts(kw, x, wt, seg), (x, wt, seg)
 
 
-def _conv_parts_bwd(parts, segments, interpret, res, dys):
+def _conv_parts_bwd(kw: _Static, res, dys):
     x, wt, seg = res
     b, t, q = x.shape
-    p = q // parts
-    grid = _grid(b, t, p)
-    dx_shape, dw_shape = (b, _padded(t), q), (b, grid[1], wt.shape[0], q)
+    grid = _grid(kw, b, t, q // kw.parts)
+    dx_shape, dw_shape = (b, _padded(kw, t), q), (b, grid[1], wt.shape[0], q)
     dx, dw_part = pl.pallas_call(
-        functools.partial(_bwd_kernel, t=t, segments=segments, parts=parts),
+        functools.partial(_bwd_kernel, t=t, kw=kw),
         grid=grid,
         in_specs=[whole(x), whole(wt), whole(seg)] + [whole(dy) for dy in dys],
         out_specs=[pl.BlockSpec(dx_shape, lambda *_: (0, 0, 0)), pl.BlockSpec(dw_shape, lambda *_: (0, 0, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct(dx_shape, x.dtype), jax.ShapeDtypeStruct(dw_shape, F32)],
         name="short_conv_bwd",
-        **call_options(interpret, num_warps=WARPS, num_stages=1),
+        **call_options(kw.interpret, num_warps=WARPS, num_stages=1),
     )(x, wt, seg, *(dy.astype(x.dtype) for dy in dys))
     return dx[:, :t], jnp.sum(dw_part, axis=(0, 1)).astype(wt.dtype), None
 
