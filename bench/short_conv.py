@@ -7,7 +7,8 @@ The shapes of a Ling-3.0-tiny KDA layer in the train step: x [B, T, 3 * 2048] bf
 projections side by side), packed segments, the three parts returned separately. Median of warmed-up
 calls; achieved HBM GB/s counts the bytes the kernels must move (forward: read x, write the parts;
 backward: read x and the parts' cotangents, write dx), against the measured copy bandwidth.
-`--blocks` also times other (rows, channels) tiles of the kernels.
+`--blocks` times the kernels' tiles (rows, channels, row blocks per backward program); results
+are written after each variant.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--width", type=int, default=2048, help="channels per part (H * K)")
-    ap.add_argument("--blocks", nargs="*", default=["32x64", "64x64", "32x128", "16x128"])
+    ap.add_argument("--blocks", nargs="*", default=["32x64x8", "32x64x1", "16x64x16", "32x32x8", "16x128x8"],
+                    help="kernel tiles: rows x channels x row blocks per backward program")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
-        args.batch, args.seq_len, args.width, args.blocks = 1, 100, 64, ["32x64"]
+        args.batch, args.seq_len, args.width, args.blocks = 1, 100, 64, ["32x64x2"]
     b, t, p = args.batch, args.seq_len, args.width
     rng = np.random.default_rng(0)
     x = jax.device_put(jnp.asarray(rng.normal(size=(b, t, 3 * p)), jnp.bfloat16))
@@ -60,7 +62,8 @@ def main() -> None:
     variants = [("xla", None)] + [("pallas", blk) for blk in args.blocks]
     ref = None
     for impl, blk in variants:
-        blocks = tuple(int(v) for v in blk.split("x")) if blk else (short_conv.BLOCK_T, short_conv.BLOCK_P)
+        blocks = tuple(int(v) for v in blk.split("x")) if blk else (short_conv.BLOCK_T, short_conv.BLOCK_P,
+                                                                    short_conv.INNER)
         fwd, grad = fns(impl, blocks)
         run = {"impl": impl, "block": blk}
         for name, fn in (("fwd", lambda f=fwd: f(x)), ("fwd_bwd", lambda g=grad: g(x, w))):
@@ -75,8 +78,8 @@ def main() -> None:
                    for a, r in zip((dx, dw), ref, strict=True)]
             run["rel_l2_vs_xla"] = {"dx": err[0], "dw": err[1]}
         result["runs"].append(run)
+        write_json(args.out, result)
         print(run, flush=True)
-    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -29,7 +29,8 @@ from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
-BLOCK_T, BLOCK_P = 32, 64  # rows x channels per program (Triton: powers of two)
+BLOCK_T, BLOCK_P = 32, 64  # rows x channels per block (Triton: powers of two)
+INNER = 8  # row blocks per backward program (its dw partial sums are reduced once per program)
 WARPS = 4
 
 
@@ -63,11 +64,11 @@ def supports(p: int, parts: int, block_p: int = BLOCK_P) -> bool:
 
 def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None, parts: int, *,
                     impl: str = "xla", interpret: bool | None = None,
-                    blocks: tuple[int, int] = (BLOCK_T, BLOCK_P)) -> tuple[jax.Array, ...]:
+                    blocks: tuple[int, int, int] = (BLOCK_T, BLOCK_P, INNER)) -> tuple[jax.Array, ...]:
     """`conv_silu` of a whole sequence (no carried window) of Q = parts * P channels, split into the
     `parts` results [B, T, P]. impl "pallas": the kernels (`supports(P, parts)` required) with tiles of
-    `blocks` (rows, channels: powers of two), "xla": the XLA form. Under `jax.checkpoint` the kernels'
-    parts are kept (`saved.keep`)."""
+    `blocks` (rows, channels: powers of two; row blocks per backward program), "xla": the XLA form.
+    Under `jax.checkpoint` the kernels' parts are kept (`saved.keep`)."""
     b, t, q = x_BTQ.shape
     if q % parts:
         raise ValueError(f"{q} channels do not split into {parts} parts")
@@ -75,7 +76,7 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
         return tuple(jnp.split(conv_silu(x_BTQ, w_QW, seg_BT), parts, axis=-1))
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: must be 'xla' or 'pallas'")
-    if not (is_pow2(blocks[0]) and supports(q // parts, parts, blocks[1])):
+    if not (is_pow2(blocks[0]) and blocks[2] >= 1 and supports(q // parts, parts, blocks[1])):
         raise ValueError(f"the short-conv kernels need parts of a power-of-two width >= {blocks[1]} and "
                          f"power-of-two blocks, got width {q // parts}, blocks {blocks}")
     seg = jnp.zeros((b, t), jnp.int32) if seg_BT is None else seg_BT.astype(jnp.int32)
@@ -84,7 +85,8 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
 
 
 # ---------------------------------------------------------------------------------------------
-# kernels: grid (B, T / BLOCK_T, P / BLOCK_P); every program handles its block of all parts
+# kernels: forward grid (B, T / rows, P / channels), a program writes its block of every part;
+# backward grid (B, T / (rows * inner), parts * P / channels)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -110,8 +112,9 @@ class _Static:
     parts: int
     segments: bool
     interpret: bool | None
-    bt: int  # rows per program
-    bp: int  # channels per program and part
+    bt: int  # rows per block
+    bp: int  # channels per program (and part, forward)
+    inner: int  # row blocks per backward program
 
 
 def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, kw: _Static):
@@ -141,66 +144,73 @@ def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, kw: _Static):
 
 def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, kw: _Static):
     """dx[r] = sum_s dpre[r + s] w[W-1-s] (same segment), dpre[u] = dy[u] silu'(pre[u]), pre recomputed
-    from x[u - s'] at every shifted row u = r + s; dw[j] partial = sum over the block's rows r of
-    dpre[r] x[r - (W-1-j)]."""
+    from x[u - s'] at every shifted row u = r + s; dw[j] partial = sum over the program's rows r of
+    dpre[r] x[r - (W-1-j)], accumulated elementwise over its `inner` row blocks and reduced once.
+    One part's column block per program (the part's cotangent picked by `pl.when`)."""
     from jax.experimental.pallas import triton as pltriton
 
     dys, (dx_ref, dw_ref) = refs[:kw.parts], refs[kw.parts:]
     width = wt_ref.shape[0]
     p = dys[0].shape[2]
-    bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = ti * kw.bt + jnp.arange(kw.bt)
-    cols = pj * kw.bp + jnp.arange(kw.bp)
-    # rows r + d for d in (-(W-1), ..., W-1): in range, and (with segments) their segment ids
+    blocks_per_part = p // kw.bp
+    bi, ci, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    part = pj // blocks_per_part
+    cols = (pj % blocks_per_part) * kw.bp + jnp.arange(kw.bp)
+    pcols = part * p + cols
+    w_rows = [pltriton.load(wt_ref.at[j, pcols])[None, :] for j in range(width)]
     offsets = range(-(width - 1), width)
-    inr = {d: (rows + d >= 0) & (rows + d < t) for d in offsets}
-    segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1) if kw.segments
-            else None for d in offsets}
 
-    def tap_ok(u: int, d: int):
-        """Row r + d feeds output row r + u (u >= d) through tap shift u - d."""
-        ok = inr[d] & inr[u]
-        return ok & (segs[d] == segs[u]) if kw.segments and u != d else ok
+    def row_block(dy_ref, k, dw):
+        rows = (ci * kw.inner + k) * kw.bt + jnp.arange(kw.bt)
+        # rows r + d for d in (-(W-1), ..., W-1): in range, and (with segments) their segment ids
+        inr = {d: (rows + d >= 0) & (rows + d < t) for d in offsets}
+        segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1)
+                for d in offsets} if kw.segments else {}
 
-    for part in range(kw.parts):
-        pcols = part * p + cols
-        w_rows = [pltriton.load(wt_ref.at[j, pcols])[None, :] for j in range(width)]
-        xs = {d: _load_rows(x_ref, bi, rows + d, pcols, inr[d]) for d in offsets}
+        def x_at(u: int, d: int):
+            """x[r + d] where it feeds output row r + u (u >= d) through tap shift u - d, else 0."""
+            ok = inr[d] & inr[u]
+            if kw.segments and u != d:
+                ok = ok & (segs[d] == segs[u])
+            return _load_rows(x_ref, bi, rows + d, pcols, ok)
+
         dx = jnp.zeros((kw.bt, kw.bp), F32)
-        dw = [jnp.zeros((kw.bp,), F32) for _ in range(width)]
         for s in range(width):  # output rows r + s, which read x[r] through tap W-1-s
             pre = jnp.zeros((kw.bt, kw.bp), F32)
             for j in range(width):
-                d = s - (width - 1 - j)
-                pre += jnp.where(tap_ok(s, d)[:, None], xs[d], 0.0) * w_rows[j]
+                pre += x_at(s, s - (width - 1 - j)) * w_rows[j]
             sig = jax.nn.sigmoid(pre)
-            dpre = _load_rows(dys[part], bi, rows + s, cols, inr[s]) * sig * (1.0 + pre * (1.0 - sig))
-            dx += jnp.where(tap_ok(s, 0)[:, None], dpre, 0.0) * w_rows[width - 1 - s]
-            if s == 0:  # the block's own rows: their dw terms
-                for j in range(width):
-                    d = -(width - 1 - j)
-                    dw[j] = jnp.sum(jnp.where(tap_ok(0, d)[:, None], xs[d], 0.0) * dpre, axis=0)
+            dpre = _load_rows(dy_ref, bi, rows + s, cols, inr[s]) * sig * (1.0 + pre * (1.0 - sig))
+            if s:
+                ok = inr[s] & (segs[0] == segs[s]) if kw.segments else inr[s]
+                dpre = jnp.where(ok[:, None], dpre, 0.0)
+            else:  # the block's own rows: their dw terms
+                dw = tuple(acc + x_at(0, -(width - 1 - j)) * dpre for j, acc in enumerate(dw))
+            dx += dpre * w_rows[width - 1 - s]
         pltriton.store(dx_ref.at[bi, rows[:, None], pcols[None, :]], dx.astype(dx_ref.dtype))
-        for j in range(width):
-            pltriton.store(dw_ref.at[bi, ti, j, pcols], dw[j])
+        return dw
+
+    for i, dy_ref in enumerate(dys):
+        @pl.when(part == i)
+        def _(dy_ref=dy_ref):
+            zero = tuple(jnp.zeros((kw.bt, kw.bp), F32) for _ in range(width))
+            dw = jax.lax.fori_loop(0, kw.inner, functools.partial(row_block, dy_ref), zero)
+            for j in range(width):
+                pltriton.store(dw_ref.at[bi, ci, j, pcols], jnp.sum(dw[j], axis=0))
 
 
-def _grid(kw: _Static, b: int, t: int, p: int) -> tuple[int, int, int]:
-    return b, pl.cdiv(t, kw.bt), p // kw.bp
-
-
-def _padded(kw: _Static, t: int) -> int:
-    """Rows of the kernels' outputs: whole row blocks, so no store is masked (the interpreter's scatter
-    would let a masked row's index collide with a live one)."""
-    return pl.cdiv(t, kw.bt) * kw.bt
+def _padded(t: int, rows: int) -> int:
+    """Rows of the kernels' outputs: whole blocks of `rows` per program, so no store is masked (the
+    interpreter's scatter would let a masked row's index collide with a live one)."""
+    return pl.cdiv(t, rows) * rows
 
 
 def _run_fwd(kw: _Static, x, wt, seg):
     b, t, q = x.shape
-    shape = (b, _padded(kw, t), q // kw.parts)
+    shape = (b, _padded(t, kw.bt), q // kw.parts)
     ys = pl.pallas_call(
         functools.partial(_fwd_kernel, t=t, kw=kw),
-        grid=_grid(kw, b, t, shape[2]),
+        grid=(b, pl.cdiv(t, kw.bt), shape[2] // kw.bp),
         in_specs=[whole(x), whole(wt), whole(seg)],
         out_specs=[pl.BlockSpec(shape, lambda *_: (0, 0, 0))] * kw.parts,
         out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)] * kw.parts,
@@ -222,8 +232,8 @@ def _conv_parts_fwd(kw: _Static, x, wt, seg):
 def _conv_parts_bwd(kw: _Static, res, dys):
     x, wt, seg = res
     b, t, q = x.shape
-    grid = _grid(kw, b, t, q // kw.parts)
-    dx_shape, dw_shape = (b, _padded(kw, t), q), (b, grid[1], wt.shape[0], q)
+    grid = (b, pl.cdiv(t, kw.bt * kw.inner), q // kw.bp)
+    dx_shape, dw_shape = (b, _padded(t, kw.bt * kw.inner), q), (b, grid[1], wt.shape[0], q)
     dx, dw_part = pl.pallas_call(
         functools.partial(_bwd_kernel, t=t, kw=kw),
         grid=grid,

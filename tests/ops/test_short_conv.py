@@ -17,7 +17,7 @@ from conftest import rel_l2
 
 from ling_jax.config import LingConfig
 from ling_jax.layers.kda import kda_mixer
-from ling_jax.ops.short_conv import BLOCK_P, conv_silu, conv_silu_parts
+from ling_jax.ops.short_conv import BLOCK_P, BLOCK_T, INNER, conv_silu, conv_silu_parts
 from ling_jax.params import init_params, layer_params
 
 
@@ -29,9 +29,9 @@ def _inputs(seed: int, b: int, t: int, q: int, segments: bool):
     return x, w, seg
 
 
-def _loss_and_grads(impl: str, x, w, seg, parts: int, cts):
+def _loss_and_grads(impl: str, x, w, seg, parts: int, cts, blocks=(BLOCK_T, BLOCK_P, INNER)):
     def loss(x, w):
-        ys = conv_silu_parts(x, w, seg, parts, impl=impl, interpret=True)
+        ys = conv_silu_parts(x, w, seg, parts, impl=impl, interpret=True, blocks=blocks)
         return sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(ys, cts, strict=True)), ys
 
     (_, ys), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
@@ -42,15 +42,18 @@ def _loss_and_grads(impl: str, x, w, seg, parts: int, cts):
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("parts", [1, 3])
 def test_kernels_match_xla_float32(t, segments, parts):
-    b, p = 2, BLOCK_P
+    """Default tiles (one backward program for these lengths) and small ones (several programs of
+    several row blocks each, two channel blocks per part)."""
+    b, p = 2, 2 * BLOCK_P
     x, w, seg = _inputs(t + 7 * parts, b, t, parts * p, segments)
     cts = [jnp.asarray(np.random.default_rng(i).normal(size=(b, t, p)), jnp.float32) for i in range(parts)]
     ys_ref, (dx_ref, dw_ref) = _loss_and_grads("xla", x, w, seg, parts, cts)
-    ys, (dx, dw) = _loss_and_grads("pallas", x, w, seg, parts, cts)
-    for y, y_ref in zip(ys, ys_ref, strict=True):
-        np.testing.assert_allclose(y, y_ref, atol=2e-6, rtol=2e-6)
-    np.testing.assert_allclose(dx, dx_ref, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(dw, dw_ref, atol=1e-4, rtol=1e-5)
+    for blocks in ((BLOCK_T, BLOCK_P, INNER), (8, BLOCK_P, 2)):
+        ys, (dx, dw) = _loss_and_grads("pallas", x, w, seg, parts, cts, blocks)
+        for y, y_ref in zip(ys, ys_ref, strict=True):
+            np.testing.assert_allclose(y, y_ref, atol=2e-6, rtol=2e-6)
+        np.testing.assert_allclose(dx, dx_ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(dw, dw_ref, atol=1e-4, rtol=1e-5)
 
 
 def test_kernels_bf16_against_float32():
