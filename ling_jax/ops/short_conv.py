@@ -166,13 +166,14 @@ def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, kw: _Static):
         inr = {d: (rows + d >= 0) & (rows + d < t) for d in offsets}
         segs = {d: pltriton.load(seg_ref.at[bi, jnp.where(inr[d], rows + d, 0)], mask=inr[d], other=-1)
                 for d in offsets} if kw.segments else {}
+        xs = {d: _load_rows(x_ref, bi, rows + d, pcols, inr[d]) for d in offsets}
 
         def x_at(u: int, d: int):
-            """x[r + d] where it feeds output row r + u (u >= d) through tap shift u - d, else 0."""
-            ok = inr[d] & inr[u]
+            """x[r + d] where it feeds output row r + u (u >= d) through tap shift u - d, else 0 (rows
+            r + u past the end need no mask: their dy, so their dpre, is 0)."""
             if kw.segments and u != d:
-                ok = ok & (segs[d] == segs[u])
-            return _load_rows(x_ref, bi, rows + d, pcols, ok)
+                return jnp.where((segs[d] == segs[u])[:, None], xs[d], 0.0)
+            return xs[d]
 
         dx = jnp.zeros((kw.bt, kw.bp), F32)
         for s in range(width):  # output rows r + s, which read x[r] through tap W-1-s
@@ -181,10 +182,9 @@ def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, kw: _Static):
                 pre += x_at(s, s - (width - 1 - j)) * w_rows[j]
             sig = jax.nn.sigmoid(pre)
             dpre = _load_rows(dy_ref, bi, rows + s, cols, inr[s]) * sig * (1.0 + pre * (1.0 - sig))
-            if s:
-                ok = inr[s] & (segs[0] == segs[s]) if kw.segments else inr[s]
-                dpre = jnp.where(ok[:, None], dpre, 0.0)
-            else:  # the block's own rows: their dw terms
+            if s and kw.segments:  # row r + s reads x[r] only in r's segment
+                dpre = jnp.where((segs[0] == segs[s])[:, None], dpre, 0.0)
+            if not s:  # the block's own rows: their dw terms
                 dw = tuple(acc + x_at(0, -(width - 1 - j)) * dpre for j, acc in enumerate(dw))
             dx += dpre * w_rows[width - 1 - s]
         pltriton.store(dx_ref.at[bi, rows[:, None], pcols[None, :]], dx.astype(dx_ref.dtype))
