@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from conftest import SUBPROCESS_CACHE, rel_l2
 
 from ling_jax.config import LingConfig
 from ling_jax.model import forward_hidden, lm_head
+from ling_jax.ops.logsumexp import row_logsumexp
 from ling_jax.params import init_params
 from train import loss as ce_loss
 from train.config import TrainConfig
@@ -181,13 +183,16 @@ def test_gradients_match_finite_differences():
     assert abs(fd - analytic) < 2e-3 * abs(analytic), (fd, analytic)
 
 
-@pytest.mark.parametrize("dtype, logits_dtype, tol", [(jnp.float32, "float32", 1e-6), (jnp.bfloat16, "float32", 2e-2),
-                                                      (jnp.float32, "bfloat16", 1e-2)])
-def test_cross_entropy_and_its_gradient_match_the_dense_softmax(monkeypatch, dtype, logits_dtype, tol):
+@pytest.mark.parametrize("dtype, logits_dtype, tol, kernel", [
+    (jnp.float32, "float32", 1e-6, False), (jnp.bfloat16, "float32", 2e-2, False),
+    (jnp.float32, "bfloat16", 1e-2, False), (jnp.float32, "float32", 1e-6, True)])
+def test_cross_entropy_and_its_gradient_match_the_dense_softmax(monkeypatch, dtype, logits_dtype, tol, kernel):
     """The chunked CE (gradient made in the forward pass, 37 tokens in chunks of 8 with padding,
     unlabelled rows) == -log_softmax of the whole float32 logits matrix, value and both gradients;
-    bf16 logits within their rounding."""
+    bf16 logits within their rounding; `kernel`: the GPU's log-sum-exp kernel (interpreted)."""
     monkeypatch.setattr(ce_loss, "CE_CHUNK", 8)
+    if kernel:
+        monkeypatch.setattr(ce_loss, "row_logsumexp", functools.partial(row_logsumexp, impl="pallas", interpret=True))
     ks = jax.random.split(jax.random.key(3), 3)
     h = jax.random.normal(ks[0], (37, 16)).astype(dtype)
     w = (jax.random.normal(ks[1], (16, 50)) * 0.5).astype(dtype)

@@ -48,7 +48,7 @@ def test_kernels_match_xla_float32(t, segments, parts):
     x, w, seg = _inputs(t + 7 * parts, b, t, parts * p, segments)
     cts = [jnp.asarray(np.random.default_rng(i).normal(size=(b, t, p)), jnp.float32) for i in range(parts)]
     ys_ref, (dx_ref, dw_ref) = _loss_and_grads("xla", x, w, seg, parts, cts)
-    for blocks in ((BLOCK_T, BLOCK_P, INNER), (8, BLOCK_P, 2)):
+    for blocks in ((BLOCK_T, BLOCK_P, INNER), (16, BLOCK_P, 2)):
         ys, (dx, dw) = _loss_and_grads("pallas", x, w, seg, parts, cts, blocks)
         for y, y_ref in zip(ys, ys_ref, strict=True):
             np.testing.assert_allclose(y, y_ref, atol=2e-6, rtol=2e-6)
