@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--width", type=int, default=2048, help="channels per part (H * K)")
-    ap.add_argument("--blocks", nargs="*", default=["32x64x8", "32x64x1", "16x64x16", "32x32x8", "16x128x8"],
+    ap.add_argument("--blocks", nargs="*", default=["8x64x32", "16x32x16", "16x64x16", "32x64x8", "32x64x1"],
                     help="kernel tiles: rows x channels x row blocks per backward program")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
