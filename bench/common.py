@@ -7,6 +7,7 @@ bandwidth, bf16 matmul rate) are measured in the same process so ratios use this
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import platform
@@ -43,13 +44,24 @@ def git_revision() -> str | None:
     return rev + ("-dirty" if dirty else "")
 
 
+def source_digest() -> str:
+    """First 12 hex digits of a SHA-256 over the library, train and bench sources (sorted paths and
+    contents): the code a result came from, also where `git` names a stale HEAD (a copied work tree).
+    Match it against a checkout by running this function there."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(p for d in ("ling_jax", "train", "bench") for p in (root / d).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def machine() -> dict[str, Any]:
     import flax
     import optax
 
     dev = jax.devices()[0]
     return {"device": dev.device_kind, "platform": dev.platform, "n_devices": jax.device_count(),
-            "git": git_revision(),
+            "git": git_revision(), "source_sha256": source_digest(),
             "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": " ".join(sys.argv)}
