@@ -12,7 +12,10 @@ run "${DECODE_S:-300}" python3 bench/decode.py --out "$OUT/decode_h200.json"
 run "${KERNELS_S:-150}" python3 bench/decode_kernels.py --out "$OUT/decode_kernels_h200.json"
 run "${PREFILL_S:-80}" python3 bench/prefill_mla.py --out "$OUT/prefill_mla_h200.json"
 run "${MOE_S:-120}" python3 bench/moe.py --out "$OUT/moe_h200.json"
-run "${TRAIN_S:-300}" python3 bench/train.py --out "$OUT/train_h200.json" --kda-impl pallas --remat full dots
+run "${CONV_S:-120}" python3 bench/short_conv.py --out "$OUT/short_conv_h200.json"
+run "${LSE_S:-60}" python3 bench/logsumexp.py --out "$OUT/logsumexp_h200.json"
+run "${TRAIN_S:-300}" python3 bench/train.py --out "$OUT/train_h200.json" --kda-impl pallas --remat dots_kernels \
+  --unroll-layers
 run "${KDA_S:-250}" python3 bench/kda.py --heads 16 64 --out "$OUT"
 run "${KDA_PK_S:-90}" python3 bench/kda.py --per-kernel --heads 64 --out "$OUT"
 (cd /tmp/tcache && find . -name '*.autotune.json' | tar czf "$OUT/fla_autotune.tgz" -T -)  # carry it into .whl next time
