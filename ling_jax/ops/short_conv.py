@@ -7,7 +7,8 @@ parts returned separately. With `impl="pallas"` it is a custom VJP of two Triton
 interpret mode):
   - forward: one pass reads x and writes the n parts (no split copies);
   - backward: one pass reads x and the parts' cotangents, recomputes the pre-activation at the
-    W shifted rows each output row feeds, and writes dx plus per-block partial sums of dw.
+    W shifted rows each output row feeds, and writes dx plus each program's partial sums of dw
+    (one part's channel block per program, accumulated elementwise over its row blocks).
 XLA's own gradient of `conv_silu` recomputed the convolution inside several multi-output reduction
 fusions and materialised the split and concat around it (H200 profile of the train step, ~40 ms of
 8 layers' 370 ms, BENCHMARKS.md).
