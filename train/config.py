@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ling_jax.model import REMAT_POLICIES
+from train.loss import LOGITS_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,8 @@ class TrainConfig:
             raise ValueError(f"schedule={self.schedule!r} must be 'constant' or 'cosine'")
         if self.schedule == "cosine" and self.schedule_steps <= self.warmup_steps:
             raise ValueError("schedule='cosine' needs schedule_steps > warmup_steps")
-        if self.logits_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"logits_dtype={self.logits_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.logits_dtype not in LOGITS_DTYPES:
+            raise ValueError(f"logits_dtype={self.logits_dtype!r} must be one of {LOGITS_DTYPES}")
         if self.remat != "none" and self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} must be 'none' or one of {sorted(REMAT_POLICIES)}")
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ling_jax.ops.logsumexp import row_logsumexp
 from train.data import IGNORE
 
+LOGITS_DTYPES = ("float32", "bfloat16")  # what the lm_head matmul may write its logits in
 CE_CHUNK = 4096  # tokens per chunk: its float32 logits [CE_CHUNK, vocab] are the largest temporary
 F32 = jnp.float32
 
@@ -28,8 +29,8 @@ def cross_entropy_sum(h_ND: jax.Array, w_DV: jax.Array, labels_N: jax.Array, log
     The matmul writes its logits in `logits_dtype`; the softmax always sums in float32. "bfloat16"
     (MaxText's default) halves the traffic of the softmax passes over the [tokens, vocab] logits, at
     bf16's rounding of each logit (|error| <= |logit| / 256)."""
-    if logits_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"logits_dtype={logits_dtype!r}: must be 'float32' or 'bfloat16'")
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype={logits_dtype!r}: must be one of {LOGITS_DTYPES}")
     return _ce(h_ND, w_DV, labels_N, min(CE_CHUNK, h_ND.shape[0]), logits_dtype)
 
 

@@ -46,8 +46,7 @@ def loss_terms(cfg: LingConfig, tcfg: TrainConfig, params: Params, batch: dict[s
     p = cast_for_compute(cfg, params, jnp.dtype(tcfg.compute_dtype))
     use_mtp = mtp_weight(cfg, tcfg) > 0
     out = forward_hidden(cfg, p, batch["inputs"], segment_ids=batch["segment_ids"], mtp=use_mtp,
-                         expert_counts=True, remat=tcfg.remat,
-                         unroll=tcfg.unroll_layers)
+                         expert_counts=True, remat=tcfg.remat, unroll=tcfg.unroll_layers)
     head = p["embed"].T if cfg.tie_word_embeddings else p["lm_head"]
     d = cfg.hidden_size
     ce = cross_entropy_sum(out["final"].reshape(-1, d), head, batch["labels"].reshape(-1), tcfg.logits_dtype)

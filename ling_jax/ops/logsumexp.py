@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.ops.pallas_gpu import call_options, one_gpu, pad_axis, whole
 
@@ -48,8 +49,6 @@ def row_logsumexp(x_RV: jax.Array, *, impl: str = "auto", interpret: bool | None
 
 
 def _kernel(x_ref, out_ref, *, v: int):
-    from jax.experimental.pallas import triton as pltriton
-
     rows = pl.program_id(0) * ROWS + jnp.arange(ROWS)
 
     def step(i, carry):

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 from ling_jax.ops.saved import keep
@@ -95,16 +96,12 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
 
 def _load_rows(ref, bi, rows, cols, ok):
     """ref[bi, rows, cols] as float32 where `ok` (per row), zero elsewhere."""
-    from jax.experimental.pallas import triton as pltriton
-
     safe = jnp.where(ok, rows, 0)
     return pltriton.load(ref.at[bi, safe[:, None], cols[None, :]], mask=ok[:, None], other=0).astype(F32)
 
 
 def _same_segment(seg_ref, bi, rows, ok, seg_here):
     """Whether each row in `rows` (valid where `ok`) is in the segment `seg_here` of its output row."""
-    from jax.experimental.pallas import triton as pltriton
-
     return ok & (pltriton.load(seg_ref.at[bi, jnp.where(ok, rows, 0)], mask=ok, other=-1) == seg_here)
 
 
@@ -121,8 +118,6 @@ class _Static:
 
 
 def _fwd_kernel(x_ref, wt_ref, seg_ref, *out_refs, t: int, kw: _Static):
-    from jax.experimental.pallas import triton as pltriton
-
     width = wt_ref.shape[0]
     p = out_refs[0].shape[2]
     bi, ti, pj = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -150,8 +145,6 @@ def _bwd_kernel(x_ref, wt_ref, seg_ref, *refs, t: int, kw: _Static):
     from x[u - s'] at every shifted row u = r + s; dw[j] partial = sum over the program's rows r of
     dpre[r] x[r - (W-1-j)], accumulated elementwise over its `inner` row blocks and reduced once.
     One part's column block per program (the part's cotangent picked by `pl.when`)."""
-    from jax.experimental.pallas import triton as pltriton
-
     dys, (dx_ref, dw_ref) = refs[:kw.parts], refs[kw.parts:]
     width = wt_ref.shape[0]
     p = dys[0].shape[2]
