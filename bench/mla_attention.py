@@ -82,16 +82,17 @@ def impls(x: dict[str, Any], scale: float, tiles: list[Blocks]) -> dict[str, Any
 
 
 def tile_name(b: Blocks) -> str:
-    return (f"fwd {b.bq}x{b.bk}/{b.warps_fwd}w dkv {b.bk_dkv}x{b.bq_dkv} dq {b.bq_dq}x{b.bk_dq}/{b.warps_bwd}w"
-            f" s{b.stages}")
+    return (f"fwd {b.bq}x{b.bk}/{b.warps_fwd}w dkv {b.bk_dkv}x{b.bq_dkv}/{b.warps_dkv}w "
+            f"dq {b.bq_dq}x{b.bk_dq}/{b.warps_dq}w s{b.stages}")
 
 
 def parse_tiles(spec: str) -> Blocks:
-    """"bq,bk,warps_fwd,bwd_block,warps_bwd[,stages]" (the backward's four tiles all bwd_block)."""
-    v = [int(s) for s in spec.split(",")]
-    stages = v[5] if len(v) > 5 else DEFAULT_BLOCKS.stages
-    return Blocks(bq=v[0], bk=v[1], warps_fwd=v[2], bq_dkv=v[3], bk_dkv=v[3], bq_dq=v[3], bk_dq=v[3],
-                  warps_bwd=v[4], stages=stages)
+    """"field=value,..." of `Blocks` over the defaults, e.g. "bk_dkv=128,bq_dkv=32,warps_dkv=8"."""
+    try:
+        fields = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        return dataclasses.replace(DEFAULT_BLOCKS, **fields)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--tiles {spec!r}: {e}") from e
 
 
 def main() -> int:
@@ -102,7 +103,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--docs", type=int, default=3, help="documents per row")
     ap.add_argument("--tiles", nargs="*", default=[],
-                    help="extra tile sets: bq,bk,warps_fwd,bwd_block,warps_bwd[,stages]")
+                    help="extra tile sets, each field=value,... of ops.attention_pallas.Blocks")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpret mode)")
     args = ap.parse_args()

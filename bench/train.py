@@ -38,7 +38,7 @@ from ling_jax.config import LingConfig
 from train.config import TrainConfig
 from train.flops import peak_flops_per_device, train_flops_per_token
 from train.optim import make_optimizer
-from train.step import make_train_step
+from train.step import init_state, make_train_step
 
 
 def batch(cfg: LingConfig, b: int, t: int, seed: int) -> dict[str, jax.Array]:
@@ -98,8 +98,7 @@ def main() -> None:
         opt = make_optimizer(cfg, tcfg)
         try:
             params = random_params(cfg, jnp.float32)
-            state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0),
-                     "bad_steps": jnp.int32(0)}
+            state = init_state(cfg, tcfg, opt, params)
             step = jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
             t0 = time.perf_counter()
             state, m = step(state, data)

@@ -26,7 +26,7 @@ from train import loss as ce_loss
 from train.config import TrainConfig
 from train.data import IGNORE, PackedBatches
 from train.optim import make_optimizer
-from train.step import apply_bias_update, load_stats, loss_terms, make_train_step
+from train.step import apply_bias_update, checkpointed, init_state, load_stats, loss_terms, make_train_step
 
 # one MoE layer kind per mixer (no dense prefix) keeps compilation small: 2 KDA + 2 MLA + MTP
 TINY = dict(num_hidden_layers=4, layer_group_size=2, first_k_dense_replace=0)
@@ -52,9 +52,8 @@ def tiny():
     return cfg, tcfg, opt, jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
 
 
-def fresh_state(cfg, opt, seed=0):
-    p = init_params(cfg, seed=seed)
-    return {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0), "bad_steps": jnp.int32(0)}
+def fresh_state(cfg, opt, seed=0, tcfg=None):
+    return init_state(cfg, tcfg or TrainConfig(**TCFG), opt, init_params(cfg, seed=seed))
 
 
 def test_tiny_model_learns(tiny):
@@ -77,6 +76,40 @@ def test_non_finite_step_is_skipped(tiny):
     state, m = step(state, batch)
     assert not bool(m["finite"]) and int(state["bad_steps"]) == 1 and int(state["step"]) == 0
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], before)
+
+
+def test_bf16_compute_copy_follows_the_masters(tiny):
+    """bf16 compute: the state carries the masters' bf16 copy (None at the float32-kept leaves) that
+    the forward reads; each finite step rewrites it from the new masters, a skipped step keeps it,
+    checkpoints leave it out; and the step's loss is the float32 step's within bf16 rounding."""
+    cfg, tcfg32, opt, step32 = tiny
+    tcfg = TrainConfig(**{**TCFG, "compute_dtype": "bfloat16"})
+    step = jax.jit(make_train_step(cfg, tcfg, opt), donate_argnums=0)
+    batches = PackedBatches(corpus(50), seq_len=32, batch_size=4, eos_id=1)
+    state, state32 = fresh_state(cfg, opt, tcfg=tcfg), fresh_state(cfg, opt)
+    assert "compute" not in state32 and "compute" not in checkpointed(state)
+    assert state["compute"]["segments"][0]["kda"]["attn"]["A_log"] is None
+
+    def copy_matches(st):
+        jax.tree.map(lambda p, c: c is None or np.testing.assert_array_equal(
+            np.asarray(c), np.asarray(p.astype(jnp.bfloat16))), st["params"], st["compute"])
+        assert {x.dtype for x in jax.tree.leaves(st["compute"])} == {jnp.dtype(jnp.bfloat16)}
+
+    copy_matches(state)
+    for _ in range(2):
+        batch = jax.device_put(next(batches))
+        state, m = step(state, batch)
+        state32, m32 = step32(state32, batch)
+        assert bool(m["finite"]) and abs(float(m["loss"]) - float(m32["loss"])) < 2e-2 * float(m32["loss"])
+        copy_matches(state)
+    state["compute"]["final_norm"] = state["compute"]["final_norm"].at[0].set(jnp.nan)  # what the forward reads
+    before = jax.tree.map(np.asarray, {k: state[k] for k in ("params", "compute")})
+    state, m = step(state, jax.device_put(next(batches)))
+    assert not bool(m["finite"]) and int(state["bad_steps"]) == 1
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), b.astype(np.float32)),
+                 {k: state[k] for k in ("params", "compute")}, before)  # float32: numpy's NaN test skips bf16
+    with pytest.raises(ValueError, match="compute-dtype copy"):
+        step(checkpointed(state), jax.device_put(next(batches)))
 
 
 def test_unrolled_layers_step_equals_scanned(tiny):

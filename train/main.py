@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     from train.data import PackedBatches, load_tokens
     from train.flops import peak_flops_per_device, train_flops_per_token
     from train.optim import make_optimizer
-    from train.step import make_train_step, mtp_weight
+    from train.step import checkpointed, init_state, make_train_step, mtp_weight, with_compute_copy
 
     distributed.initialize()  # joins a multi-process job when one is configured; else nothing
     out = Path(args.out)
@@ -107,11 +108,11 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     optimizer = make_optimizer(cfg, tcfg)
 
     def fresh_state(p):
-        return {"params": p, "opt_state": optimizer.init(p), "step": jnp.int32(0), "bad_steps": jnp.int32(0)}
+        return checkpointed(init_state(cfg, tcfg, optimizer, p))
 
     data_state = None
     if resume is None:
-        state = jax.jit(fresh_state)(params)
+        state = jax.jit(functools.partial(init_state, cfg, tcfg, optimizer))(params)
         start = 0
     else:
         shard = default_sharding(cfg, mesh)
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         state_abs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                  jax.eval_shape(fresh_state, params_abs), compiled.output_shardings)
         state, data_state, meta = ckpts.restore(state_abs, resume)
+        state = jax.jit(functools.partial(with_compute_copy, cfg, tcfg), donate_argnums=0)(state)
         start = int(meta["iteration"])
         print(f"resuming {out} at step {start}")
     if start >= tcfg.steps:
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         return distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh, shape[0])
 
     def save(it: int) -> None:
-        ckpts.save(it, state, batches.state(), {**meta, "iteration": it})
+        ckpts.save(it, checkpointed(state), batches.state(), {**meta, "iteration": it})
 
     def report(it: int, m: dict[str, Any], dt: float) -> None:
         tok_s = float(m["tokens_total"]) / dt if dt > 0 else 0.0

@@ -53,7 +53,8 @@ class Blocks:
     bq_dq: int = 64
     bk_dq: int = 64
     warps_fwd: int = 8
-    warps_bwd: int = 4
+    warps_dkv: int = 4
+    warps_dq: int = 4
     stages: int = 3  # H200, Ling-3.0-tiny training shape: fwd+bwd 8.4 ms (2 stages: 9.2 ms; bench/mla_attention.py)
 
     def __post_init__(self) -> None:
@@ -102,7 +103,8 @@ def _iota(shape: tuple[int, int], dim: int) -> jax.Array:
 
 
 def _scores(qn, qr, kn, kr, scale2: float):
-    """[bq, bk] scores in the log2 domain: (q_nope k_nope^T + q_rope k_rope^T) * scale * log2(e)."""
+    """[bq, bk] scores in the log2 domain: (q_nope k_nope^T + q_rope k_rope^T) * scale * log2(e); with the
+    key operands first, the transposed scores [bk, bq]."""
     return (_dot(qn, kn, (1, 1)) + _dot(qr, kr, (1, 1))) * scale2
 
 
@@ -142,6 +144,8 @@ def _fwd_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, dq_ref, dk_ref, start_ref
 
 def _dkv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, end_ref,
                 dkn_ref, dkr_ref, dv_ref, *, scale2: float, scale: float, bq: int, bk: int):
+    """Key-major: every product is [keys, queries] (s^T, p^T, ds^T), so dV = p^T dO and dK = ds^T Q
+    need no transpose of a register tile (only of loaded Q / dO tiles, which Triton reads transposed)."""
     j = pl.program_id(0)
     k0 = j * bk
     kn, kr, v, doc_k = kn_ref[...], kr_ref[...], v_ref[...], dk_ref[...]
@@ -150,13 +154,13 @@ def _dkv_kernel(qn_ref, qr_ref, kn_ref, kr_ref, v_ref, do_ref, lse_ref, delta_re
         dkn, dkr, dv = carry
         rows = pl.ds(i * bq, bq)
         qn, qr, do = qn_ref[rows, :], qr_ref[rows, :], do_ref[rows, :]
-        s = _scores(qn, qr, kn, kr, scale2)
-        vis = _visible(i * bq, k0, dq_ref[rows], doc_k, bq, bk)
-        p = jnp.where(vis, jnp.exp2(s - lse_ref[rows][:, None]), 0.0)  # [bq, bk]
-        dv = dv + _dot(p.astype(do.dtype), do, (0, 0))
-        dp = _dot(do, v, (1, 1))
-        ds = (p * (dp - delta_ref[rows][:, None])).astype(qn.dtype)
-        return dkn + _dot(ds, qn, (0, 0)), dkr + _dot(ds, qr, (0, 0)), dv
+        st = _scores(kn, kr, qn, qr, scale2)  # [bk, bq]
+        vis = ((k0 + _iota((bk, bq), 0)) <= (i * bq + _iota((bk, bq), 1))) & (doc_k[:, None] == dq_ref[rows][None, :])
+        pt = jnp.where(vis, jnp.exp2(st - lse_ref[rows][None, :]), 0.0)
+        dv = dv + _dot(pt.astype(do.dtype), do, (1, 0))
+        dpt = _dot(v, do, (1, 1))
+        dst = (pt * (dpt - delta_ref[rows][None, :])).astype(qn.dtype)
+        return dkn + _dot(dst, qn, (1, 0)), dkr + _dot(dst, qr, (1, 0)), dv
 
     lo = k0 // bq
     hi = (jnp.max(end_ref[...]) + bq - 1) // bq
@@ -269,7 +273,6 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
     doc_q, doc_k, start, end = vis
     delta = jnp.einsum("bthv,bthv->bht", o.astype(F32), do.astype(F32))  # [B, H, T]
     do = do.astype(v.dtype)
-    opts = call_options(interpret, num_warps=blocks.warps_bwd, num_stages=blocks.stages)
     scales = dict(scale2=scale * LOG2E, scale=scale)
     bq, bk = blocks.bq_dkv, blocks.bk_dkv
     dkn, dkr_BTHR, dvv = pl.pallas_call(
@@ -282,7 +285,7 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dn), kn.dtype), jax.ShapeDtypeStruct((b, t, h, dr), F32),
                    jax.ShapeDtypeStruct((b, t, h, dv), v.dtype)],
         name="mla_attention_dkv",
-        **opts,
+        **call_options(interpret, num_warps=blocks.warps_dkv, num_stages=blocks.stages),
     )(qn, qr, kn, kr, v, do, lse, delta, doc_q, doc_k, end)
     bq, bk = blocks.bq_dq, blocks.bk_dq
     dqn, dqr = pl.pallas_call(
@@ -294,7 +297,7 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
         out_specs=[_rows(bq, dn), _rows(bq, dr)],
         out_shape=[jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
         name="mla_attention_dq",
-        **opts,
+        **call_options(interpret, num_warps=blocks.warps_dq, num_stages=blocks.stages),
     )(qn, qr, kn, kr, v, do, lse, delta, doc_q, doc_k, start)
     return dqn, dqr, dkn, jnp.sum(dkr_BTHR, axis=2).astype(kr.dtype), dvv
 
