@@ -153,7 +153,9 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     per-layer outputs `y` come back stacked the same way: one entry per segment, `run` entries
     with a leading [n] axis, `groups` entries as {"kda": [n, G-1, ...], "mla": [n, ...]}.
     `unroll` unrolls the scans into a straight-line program (one decode step: no loop overhead
-    between layers, at the cost of compiling every layer separately). Unrolled, where the MoE
+    between layers, at the cost of compiling every layer separately); without caches (training)
+    the layers are then a Python loop (`_layers`), so the backward's residuals stay per layer
+    instead of being stacked into [n, ...] buffers and sliced back. Unrolled, where the MoE
     will run the gemv kernel (`ops.moe.wants_stacks`), the routed-expert weights reach it as
     `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
     whole every step, and the XLA impls are faster on the plain slices).
@@ -161,6 +163,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
         cfg.moe_intermediate_size)
+    loop = unroll and caches is None
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]
@@ -172,8 +175,8 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
                 p, lim, c = xs
                 return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, mixer, ffn)
 
-            x, ys = jax.lax.scan(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
-                                 unroll=unroll)
+            x, ys = _layers(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
+                            unroll, loop)
             ys_all.append(ys)
             continue
         g = seg.kda_per_group + 1
@@ -189,15 +192,27 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
-                x, ys_k = jax.lax.scan(kda_body, x, (pk, lk, ck), unroll=unroll)
+                x, ys_k = _layers(kda_body, x, (pk, lk, ck), unroll, loop)
             x, y_m = layer_fn(_join_expert_stacks(pm, stacks), x, lm, cm, "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
         xs = (sp_kda, sp_mla, _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
               _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), None if cs is None else cs["mla"])
-        x, ys = jax.lax.scan(group, x, xs, unroll=unroll)
+        x, ys = _layers(group, x, xs, unroll, loop)
         ys_all.append(ys)
     return x, ys_all
+
+
+def _layers(body: Callable, x: jax.Array, xs: Any, unroll: bool, loop: bool) -> tuple[jax.Array, Any]:
+    """`lax.scan(body, x, xs, unroll=unroll)`, or (`loop`) the same as a Python loop over xs's leading
+    axis: the per-layer outputs are stacked, what the backward keeps of each layer is not."""
+    if not loop:
+        return jax.lax.scan(body, x, xs, unroll=unroll)
+    ys = []
+    for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        x, y = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+        ys.append(y)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def per_layer(cfg: LingConfig, ys: list[Any]) -> list[Any]:

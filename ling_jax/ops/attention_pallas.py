@@ -48,7 +48,7 @@ class Blocks:
 
     bq: int = 128
     bk: int = 64
-    bq_dkv: int = 64
+    bq_dkv: int = 32  # H200, Ling-3.0-tiny training shape: fwd+bwd 5.69 ms (64: 6.19 ms; bench/mla_attention.py)
     bk_dkv: int = 64
     bq_dq: int = 64
     bk_dq: int = 64
