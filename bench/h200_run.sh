@@ -14,6 +14,8 @@ run "${PREFILL_S:-80}" python3 bench/prefill_mla.py --out "$OUT/prefill_mla_h200
 run "${MOE_S:-120}" python3 bench/moe.py --out "$OUT/moe_h200.json"
 run "${CONV_S:-120}" python3 bench/short_conv.py --out "$OUT/short_conv_h200.json"
 run "${LSE_S:-60}" python3 bench/logsumexp.py --out "$OUT/logsumexp_h200.json"
+run "${ROUTER_S:-60}" python3 bench/router_matmul.py --out "$OUT/router_matmul_h200.json"
+run "${MLA_S:-120}" python3 bench/mla_attention.py --out "$OUT/mla_attention_h200.json"
 run "${TRAIN_S:-300}" python3 bench/train.py --out "$OUT/train_h200.json" --kda-impl pallas --remat dots_kernels \
   --unroll-layers
 run "${KDA_S:-250}" python3 bench/kda.py --heads 16 64 --out "$OUT"

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import SUBPROCESS_CACHE, rel_l2
@@ -26,7 +27,15 @@ from train import loss as ce_loss
 from train.config import TrainConfig
 from train.data import IGNORE, PackedBatches
 from train.optim import make_optimizer
-from train.step import apply_bias_update, checkpointed, init_state, load_stats, loss_terms, make_train_step
+from train.step import (
+    apply_bias_update,
+    checkpointed,
+    clip_by_norm,
+    init_state,
+    load_stats,
+    loss_terms,
+    make_train_step,
+)
 
 # one MoE layer kind per mixer (no dense prefix) keeps compilation small: 2 KDA + 2 MLA + MTP
 TINY = dict(num_hidden_layers=4, layer_group_size=2, first_k_dense_replace=0)
@@ -110,6 +119,18 @@ def test_bf16_compute_copy_follows_the_masters(tiny):
                  {k: state[k] for k in ("params", "compute")}, before)  # float32: numpy's NaN test skips bf16
     with pytest.raises(ValueError, match="compute-dtype copy"):
         step(checkpointed(state), jax.device_put(next(batches)))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 50.0], ids=["clipped", "unclipped"])
+def test_clip_by_norm_is_optax_clip_by_global_norm(max_norm):
+    """The step's clipping (with the norm it already has, bf16 grads in) equals optax's."""
+    ks = jax.random.split(jax.random.key(3), 2)
+    grads = {"a": jax.random.normal(ks[0], (7, 5), jnp.bfloat16), "b": [jax.random.normal(ks[1], (11,))]}
+    g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    want, _ = optax.clip_by_global_norm(max_norm).update(g32, optax.EmptyState())
+    got = clip_by_norm(grads, optax.tree.norm(g32), max_norm)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, want)
+    assert (float(optax.tree.norm(got)) < max_norm) == (max_norm == 50.0)
 
 
 def test_unrolled_layers_step_equals_scanned(tiny):

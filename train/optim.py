@@ -1,4 +1,7 @@
-"""AdamW with warmup then constant or cosine decay, global-norm clipping, masked weight decay.
+"""AdamW with warmup then constant or cosine decay, masked weight decay.
+
+Global-norm clipping is not in this chain: the train step clips (`train/step.clip_by_norm`) with the
+norm it computes anyway for its metrics, so the update does not read the gradients a second time.
 
 Weight decay applies to matmul weights and the embedding only: never to norms, conv taps,
 `A_log`, `dt_bias` or `expert_bias` (the latter is not trained by the optimizer at all — it
@@ -37,7 +40,6 @@ def frozen_mask(cfg: LingConfig) -> Params:
 
 def make_optimizer(cfg: LingConfig, tcfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
-        optax.clip_by_global_norm(tcfg.clip_norm),
         optax.adamw(learning_rate(tcfg), b1=tcfg.beta1, b2=tcfg.beta2, eps=tcfg.eps,
                     weight_decay=tcfg.weight_decay, mask=decay_mask(cfg)),
         optax.masked(optax.set_to_zero(), frozen_mask(cfg)),

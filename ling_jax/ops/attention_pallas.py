@@ -48,14 +48,15 @@ class Blocks:
 
     bq: int = 128
     bk: int = 64
-    bq_dkv: int = 32  # H200, Ling-3.0-tiny training shape: fwd+bwd 5.69 ms (64: 6.19 ms; bench/mla_attention.py)
-    bk_dkv: int = 64
-    bq_dq: int = 64
-    bk_dq: int = 64
+    # tiles timed on an H200 at the Ling-3.0-tiny training shape (bench/mla_attention.py, fwd+bwd):
+    bq_dkv: int = 32  # 5.69 ms (64: 6.19)
+    bk_dkv: int = 64  # (128 with 8 warps: 6.15)
+    bq_dq: int = 64  # (128 with 8 warps: 5.94 at bk_dq 32)
+    bk_dq: int = 32  # 5.46 ms (64: 5.69)
     warps_fwd: int = 8
     warps_dkv: int = 4
     warps_dq: int = 4
-    stages: int = 3  # H200, Ling-3.0-tiny training shape: fwd+bwd 8.4 ms (2 stages: 9.2 ms; bench/mla_attention.py)
+    stages: int = 3  # (2 stages: 9.2 vs 8.4 ms with the query-major dK/dV kernel of fb77d29)
 
     def __post_init__(self) -> None:
         if not all(is_pow2(b) and b >= 16 for b in self.tiles):
