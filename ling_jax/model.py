@@ -94,7 +94,8 @@ def decoder_layer(
     h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
     with jax.named_scope("ffn"):
         if ffn == "dense":
-            f, aux = mlp(h, p["mlp"]["gate_proj"], p["mlp"]["up_proj"], p["mlp"]["down_proj"]), {}
+            m = p["mlp"]
+            f, aux = mlp(h, m["gate_proj"], m["up_proj"], m["down_proj"], w_gate_up=m.get("gate_up_proj")), {}
         else:
             f, aux = moe(p["mlp"], h, cfg=cfg, limit=limits[0], shared_limit=limits[1])
     return x_BTD + f, mixer_out, aux

@@ -13,11 +13,12 @@ from conftest import rel_l2
 import ling_jax
 from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
-from ling_jax.generate import decode_step, generate, prefill
+from ling_jax.generate import decode_step, fuse_for_decode, generate, prefill
+from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops.attention import attention_mask
-from ling_jax.params import init_params, layer_params
+from ling_jax.params import get_path, init_params, layer_params, layer_stacks
 
 _step = jax.jit(decode_step, static_argnums=(0, 4))
 
@@ -51,6 +52,28 @@ def test_golden_greedy_decode(golden_a, attention):
 def debug_model():
     cfg = LingConfig.preset("debug")
     return cfg, init_params(cfg, seed=3)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full_rank_gates", "low_rank_gates"])
+def test_fused_decode_projections(lora):
+    """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
+    side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
+    give the same step as the separate weights."""
+    cfg = LingConfig.preset("debug", no_kda_lora=not lora)
+    params = init_params(cfg, seed=5)
+    fused = fuse_for_decode(cfg, params)
+    kda_attn = [get_path(fused, (*st.path, "attn")) for st in layer_stacks(cfg) if st.mixer == "kda" and not st.mtp]
+    assert kda_attn and all(FUSED_INPUT in a for a in kda_attn)
+    assert ("f_a_proj" in kda_attn[0]) == lora
+    mlps = [get_path(fused, (*st.path, "mlp")) for st in layer_stacks(cfg) if not st.mtp]
+    assert all("gate_up_proj" in m or "shared_gate_up_proj" in m for m in mlps)
+    prompt = jax.random.randint(jax.random.key(1), (2, 7), 0, cfg.vocab_size)
+    cache, _ = prefill(cfg, params, prompt, jnp.array([7, 4]), 12)
+    tok = jnp.array([3, 9], jnp.int32)
+    (c_sep, l_sep), (c_fused, l_fused) = (_step(cfg, p, cache, tok, True) for p in (params, fused))
+    assert rel_l2(l_fused, l_sep) < 1e-6
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-5, atol=1e-6), c_fused, c_sep)
 
 
 @pytest.mark.parametrize("unroll", [False, True], ids=["layer_scans", "unrolled"])

@@ -13,7 +13,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
@@ -113,6 +115,42 @@ def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
     return (x @ p[f"{name}_a_proj"].astype(dt)) @ p[f"{name}_b_proj"].astype(dt)
 
 
+FUSED_INPUT = "x_proj"  # the decode params' projections of the normed input side by side (`fuse_input_projections`)
+
+
+def _input_projections(p: dict[str, Any]) -> list[str]:
+    """The weights that multiply the layer's normed input: q, k, v, the gate (or its low-rank first
+    factor), the output gate (same) and beta, in that order."""
+    return ["q_proj", "k_proj", "v_proj", "f_proj" if "f_proj" in p else "f_a_proj",
+            "g_proj" if "g_proj" in p else "g_a_proj", "b_proj"]
+
+
+def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
+    """A KDA layer's params (one layer's or stacked: concatenated along the last axis) plus
+    `FUSED_INPUT`, every input projection side by side, so that a decode step reads them in one
+    matrix-vector product instead of six launches of 1-12 MB each. For the decode loop, made once per
+    call; it holds a second copy of those weights meanwhile. Unchanged where they are FP8-resident
+    (the concatenation would dequantize them)."""
+    ws = [p[n] for n in _input_projections(p)]
+    if any(is_block_fp8(w) for w in ws):
+        return p
+    return {**p, FUSED_INPUT: jnp.concatenate(ws, axis=-1)}
+
+
+def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:
+    """(qkv [B, T, 3P], gate input f [B, T, HK], output gate z [B, T, HV], beta logits [B, T, H])
+    from the fused input projection (`fuse_input_projections`)."""
+    dt = x_BTD.dtype
+    widths = [p[n].shape[-1] for n in _input_projections(p)]
+    y = x_BTD @ p[FUSED_INPUT].astype(dt)
+    q, k, v, f, z, b = (y[..., e - w:e] for e, w in zip(np.cumsum(widths), widths, strict=True))
+    if "f_proj" not in p:
+        f = f @ p["f_b_proj"].astype(dt)
+    if "g_proj" not in p:
+        z = z @ p["g_b_proj"].astype(dt)
+    return jnp.concatenate([q, k, v], axis=-1), f, z, b
+
+
 def kda_mixer(
     p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, valid_BT: jax.Array | None = None,
     segment_ids: jax.Array | None = None, cache: dict[str, jax.Array] | None = None,
@@ -124,8 +162,11 @@ def kda_mixer(
     b, t, _ = x_BTD.shape
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype
+    fused = FUSED_INPUT in p and t == 1
     with jax.named_scope("qkv"):
-        if t > 1:  # one matmul on the weights side by side: its gradient is one matmul, not a split + 3
+        if fused:  # decode params: every input projection in one product
+            qkv_BT3P, f_BTX, z_BTX, b_BTH = _decode_inputs(p, x_BTD)
+        elif t > 1:  # one matmul on the weights side by side: its gradient is one matmul, not a split + 3
             qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
         else:  # decode: no per-step copy of the weights
             qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
@@ -133,6 +174,8 @@ def kda_mixer(
             # decode: keep the projections out of the fusion that stacks every layer's new conv window
             # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
             qkv_BT3P = jax.lax.optimization_barrier(qkv_BT3P)
+    if not fused:
+        f_BTX, z_BTX, b_BTH = _proj(x_BTD, p, "f"), _proj(x_BTD, p, "g"), x_BTD @ p["b_proj"].astype(dt)
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
@@ -145,8 +188,8 @@ def kda_mixer(
                                           segment_ids, end_B)
         qkv = jnp.split(qkv_BT3P, 3, axis=-1)
     q_BTHK, k_BTHK, v_BTHV = (a.reshape(b, t, h, dh) for a in qkv)
-    f_BTHK = _proj(x_BTD, p, "f").reshape(b, t, h, dh)
-    beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
+    f_BTHK = f_BTX.reshape(b, t, h, dh)
+    beta_BTH = jax.nn.sigmoid(b_BTH.astype(jnp.float32))
     gate_kw: dict[str, Any] = dict(a_log=p["A_log"], dt_bias=p["dt_bias"], lower_bound=cfg.kda_lower_bound)
     if valid_BT is not None:  # pads must neither write (beta = 0) nor decay (g = 0) the state
         beta_BTH = jnp.where(valid_BT[..., None], beta_BTH, 0.0)
@@ -164,7 +207,7 @@ def kda_mixer(
                 dict(q=q_BTHK, k=k_BTHK, v=v_BTHV, g=f_BTHK, beta=beta_BTH,
                      initial_state=None if cache is None else cache["state"], segment_ids=segment_ids, **gate_kw),
                 cfg=cfg, scale=dh**-0.5)
-    z_BTHV = _proj(x_BTD, p, "g").reshape(b, t, h, dh)
+    z_BTHV = z_BTX.reshape(b, t, h, dh)
     o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
     out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)
     return out_BTD, {"state": state, "conv": conv_state}

@@ -155,6 +155,6 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
     if "shared_gate_proj" in p:
         with jax.named_scope("shared"):
             y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"],
-                              shared_limit)
+                              shared_limit, p.get("shared_gate_up_proj"))
     aux = {"topk_idx": idx_NK, "topk_weight": w_NK, "logits": logits_NE, "expert_counts": counts_E}
     return y_ND.reshape(x.shape), aux
