@@ -30,9 +30,11 @@ from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
+from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL
 from ling_jax.params import Params, layer_params
+from ling_jax.sharding import context_mesh, multi_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,16 +167,18 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
         cfg.moe_intermediate_size)
     loop = unroll and caches is None
+    latent_views = unroll and caches is not None and cfg.pallas_decode("mla") and not multi_device(context_mesh())
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]
         first = seg.first_layer
         if seg.kind == "run":
             sp, stacks = _split_expert_stacks(sp, 1, x.dtype) if views else (sp, {})
+            cs, latent = _split_latent(cs) if latent_views and seg.mixer == "mla" else (cs, None)
 
-            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks):
+            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks, latent=latent):
                 p, lim, c = xs
-                return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, mixer, ffn)
+                return layer_fn(_join_expert_stacks(p, stacks), x, lim, _join_latent(c, latent), mixer, ffn)
 
             x, ys = _layers(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
                             unroll, loop)
@@ -189,19 +193,35 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             p, lim, c = xs
             return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, "kda", "moe")
 
-        def group(x, xs, g=g, stacks=stacks_mla):
+        cs_mla, latent = None if cs is None else cs["mla"], None
+        if latent_views:
+            cs_mla, latent = _split_latent(cs_mla)
+
+        def group(x, xs, g=g, stacks=stacks_mla, latent=latent):
             pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
                 x, ys_k = _layers(kda_body, x, (pk, lk, ck), unroll, loop)
-            x, y_m = layer_fn(_join_expert_stacks(pm, stacks), x, lm, cm, "mla", "moe")
+            x, y_m = layer_fn(_join_expert_stacks(pm, stacks), x, lm, _join_latent(cm, latent), "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
         xs = (sp_kda, sp_mla, _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
-              _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), None if cs is None else cs["mla"])
+              _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), cs_mla)
         x, ys = _layers(group, x, xs, unroll, loop)
         ys_all.append(ys)
     return x, ys_all
+
+
+def _split_latent(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
+    """A segment's MLA cache with its latent stack [n, B, S, W] replaced by the layers' indices
+    (sliced by the layer loop like any cache leaf), and the stack aside, rejoined per layer as an
+    `ops.mla_decode.LatentStack` (`_join_latent`) so the decode kernel reads it in place."""
+    stack = c["latent"]
+    return {**c, "latent": jnp.arange(stack.shape[0], dtype=jnp.int32)}, stack
+
+
+def _join_latent(c: Any, stack: jax.Array | None) -> Any:
+    return c if stack is None else {**c, "latent": LatentStack(stack, c["latent"])}
 
 
 def _layers(body: Callable, x: jax.Array, xs: Any, unroll: bool, loop: bool) -> tuple[jax.Array, Any]:

@@ -20,7 +20,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
-from ling_jax.ops.mla_decode import latent_attention
+from ling_jax.ops.mla_decode import LatentStack, latent_attention
 from ling_jax.sharding import per_shard
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
@@ -118,12 +118,16 @@ def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
 
-def _attend(q_BHW: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
+def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: jax.Array, new_BW: jax.Array, *,
             cfg: LingConfig) -> jax.Array:
     """The decode attention over the latent cache [B, H, r]: the Pallas kernel when
     `cfg.pallas_decode("mla")` (per shard under a multi-device context mesh: rows over the token
     axes, as the cache is laid out, heads over tensor), else the XLA loop."""
     kw = dict(rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
+    if isinstance(latent_BSW, LatentStack):
+        if cfg.pallas_decode("mla"):  # one device (`run_stack` makes these only there): the stack as it is
+            return latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer, **kw)
+        latent_BSW = latent_BSW.materialize()
     if not cfg.pallas_decode("mla"):
         return latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, **kw)
     args = dict(q_BHW=q_BHW, cache_BSW=latent_BSW, lengths_B=lengths_B, new_BW=new_BW)
@@ -133,8 +137,8 @@ def _attend(q_BHW: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, new_B
 
 
 def mla_decode(
-    p: dict[str, Any], x_BD: jax.Array, latent_BSW: jax.Array, lengths_B: jax.Array, *, cfg: LingConfig,
-    cos: jax.Array, sin: jax.Array,
+    p: dict[str, Any], x_BD: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: jax.Array, *,
+    cfg: LingConfig, cos: jax.Array, sin: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row against the latent cache, absorbed form (§5.1): (out [B, D], new row [B, r + d_r]).
 

@@ -61,8 +61,10 @@ def _scores(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=-1)
 
 
-def _kernel(len_ref, span_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int, scale: float):
+def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int,
+            scale: float):
     b, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lay = layer_ref[0]  # the layer's index in the cache stack [L, B, S, W]
     span = span_ref[0]
     start = sp * span
     stop = jnp.minimum(start + span, len_ref[b])
@@ -75,8 +77,8 @@ def _kernel(len_ref, span_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int
         m, l, acc = carry
         pos = start + i * BK
         rows = pos + jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)  # [BK, 1]
-        c_lat = jnp.where(rows < stop, c_ref[b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past
-        c_rot = c_ref[b, pl.ds(pos, BK), pl.ds(rank, rope)]  # the length zeroed: stale slots never count
+        c_lat = jnp.where(rows < stop, cache_ref[lay, b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past
+        c_rot = cache_ref[lay, b, pl.ds(pos, BK), pl.ds(rank, rope)]  # the length zeroed: stale slots never count
         s = (_scores(q_lat, c_lat) + _scores(q_rot, c_rot)) * scale  # [BH, BK]
         s = jnp.where((pos + jax.lax.broadcasted_iota(jnp.int32, (1, BK), 1)) < stop, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -94,16 +96,25 @@ def _kernel(len_ref, span_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, rank: int
 
 
 def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
-                            rank: int, scale: float, interpret: bool | None = None) -> jax.Array:
-    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel."""
+                            rank: int, scale: float, layer: jax.Array | int | None = None,
+                            interpret: bool | None = None) -> jax.Array:
+    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel.
+
+    With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
+    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
+    if layer is None:
+        cache_LBSW, layer = cache_BSW[None], 0
+    else:
+        cache_LBSW = cache_BSW
+    layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
     b, h, w = q_BHW.shape
-    s = cache_BSW.shape[1]
+    s = cache_LBSW.shape[2]
     rope = w - rank
     if not supported(rank, rope, s):
         raise ValueError(f"latent_attention_pallas: rank={rank}, rope={rope} must be powers of two and "
                          f"the cache's {s} slots a multiple of {BK}")
     hp = -(-h // BH) * BH
-    q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_BSW.dtype)  # zero heads: sliced off below
+    q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_LBSW.dtype)  # zero heads: sliced off below
     n_hb = hp // BH
     n_sp = _splits(b, n_hb, s // BK)
     used_blocks = (jnp.max(lengths_B) + BK - 1) // BK
@@ -115,11 +126,11 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
         out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
         grid=(b, n_hb, n_sp),
-        in_specs=[whole(a) for a in (lengths_B, span, q, cache_BSW)],
+        in_specs=[whole(a) for a in (lengths_B, span, layer_1, q, cache_LBSW)],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
         name="latent_attention",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-    )(lengths_B, span, q, cache_BSW)
+    )(lengths_B, span, layer_1, q, cache_LBSW)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
     acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]

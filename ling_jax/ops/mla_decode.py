@@ -10,10 +10,31 @@ step and no [B, H, S] score tensor is ever materialised.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from ling_jax.cache import LATENT_BLOCK
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LatentStack:
+    """One MLA layer's latent cache [B, S, W], left inside its segment's stack [L, B, S, W].
+
+    The unrolled decode step (`model.run_stack`) hands these to the layers when the Pallas decode
+    kernel runs on one device: the kernel reads the layer straight from the stack. A layer's slice
+    passed to a custom call is first copied whole by XLA, every step, however short the context:
+    on an H200 at batch 128 with 33k slots allocated that was 6 copies of 5 GB per step (decode 40
+    ms/step against 16 ms with a 1k allocation; BENCHMARKS.md)."""
+
+    stack: jax.Array  # [L, B, S, W]
+    layer: jax.Array  # int32 scalar, this layer's index in the stack
+
+    def materialize(self) -> jax.Array:
+        """The layer's [B, S, W] (a slice: for the XLA forms, which fuse it)."""
+        return self.stack[self.layer]
 
 
 def latent_attention(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,

@@ -45,6 +45,19 @@ def test_slots_past_the_length_do_not_count():
     assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.1)) < 1e-6
 
 
+def test_layer_of_a_stack():
+    """`layer` (traced, under jit) reads that layer of a [L, B, S, W] stack: each equals the call on
+    its own slice."""
+    rng = np.random.default_rng(9)
+    stack = jnp.asarray(rng.standard_normal((3, 2, 1024, 40)), jnp.float32)
+    q, new = jnp.asarray(rng.standard_normal((2, 16, 40)), jnp.float32), jnp.asarray(rng.standard_normal((2, 40)))
+    ln = jnp.asarray([700, 37], jnp.int32)
+    f = jax.jit(lambda i: latent_attention_pallas(q, stack, ln, new, rank=32, scale=0.2, layer=i))
+    for i in range(3):
+        want = latent_attention(q, stack[i], ln, new, rank=32, scale=0.2)
+        assert rel_l2(f(jnp.int32(i)), want) < 1e-6
+
+
 @pytest.mark.parametrize("programs", [1, 3])
 def test_many_blocks_per_program(monkeypatch, programs):
     """Few splits, so each program's loop runs over many 32-slot blocks (the online-softmax rescaling
@@ -66,7 +79,8 @@ def test_unsupported_shapes_raise():
 
 
 def test_triton_lowering(h200_lowering):
-    """Lowers to Triton for an H200 at Ling-3.0-tiny (16 heads, 32k cache) and 3.1-flash (64 heads, batch 128)."""
+    """Lowers to Triton for an H200 at Ling-3.0-tiny (16 heads, 32k cache) and 3.1-flash (64 heads, batch 128),
+    and reading one layer of a stacked cache."""
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     def fn(q, c, n, x):
         return latent_attention_pallas(q, c, n, x, rank=512, scale=0.07, interpret=False)
@@ -74,3 +88,10 @@ def test_triton_lowering(h200_lowering):
     for b, h, s in ((1, 16, 33792), (128, 64, 4096)):
         mlir = h200_lowering(fn, sd((b, h, 576), bf), sd((b, s, 576), bf), sd((b,), jnp.int32), sd((b, 576), bf))
         assert "triton" in mlir
+
+    def stacked(q, c, n, x, i):  # one layer of a [L, B, S, W] stack, the layer traced
+        return latent_attention_pallas(q, c, n, x, rank=512, scale=0.07, layer=i, interpret=False)
+
+    mlir = h200_lowering(stacked, sd((16, 16, 576), bf), sd((6, 16, 33792, 576), bf), sd((16,), jnp.int32),
+                         sd((16, 576), bf), sd((), jnp.int32))
+    assert "triton" in mlir
