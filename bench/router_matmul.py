@@ -43,7 +43,7 @@ def main() -> None:
     w = 0.02 * jax.random.normal(kw, (args.hidden, args.experts), jnp.float32)
     g = jax.random.normal(kg, (args.tokens, args.experts), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    result = {**machine(), "command": " ".join(sys.argv), "tokens": args.tokens, "hidden": args.hidden,
+    result = {**machine(), "tokens": args.tokens, "hidden": args.hidden,
               "experts": args.experts, "runs": []}
     for name, prec in ALGORITHMS.items():
         def fwd(x, w, prec=prec):

@@ -47,7 +47,7 @@ def main() -> None:
     cts = [jax.device_put(jnp.asarray(rng.normal(size=(b, t, p)), jnp.bfloat16)) for _ in range(3)]
     bw = copy_bandwidth(0.25 if args.smoke else 2.0)
     moved = {"fwd": 2 * x.nbytes, "fwd_bwd": 2 * x.nbytes + x.nbytes + 2 * x.nbytes}  # + bwd: x, dys, dx
-    result = {**machine(), "command": " ".join(sys.argv), "shape": {"batch": b, "seq_len": t, "width": p},
+    result = {**machine(), "shape": {"batch": b, "seq_len": t, "width": p},
               "copy_bandwidth_GBps": bw / 1e9, "runs": []}
 
     def fns(impl, blocks):

@@ -124,10 +124,8 @@ def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: ja
     `cfg.pallas_decode("mla")` (per shard under a multi-device context mesh: rows over the token
     axes, as the cache is laid out, heads over tensor), else the XLA loop."""
     kw = dict(rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
-    if isinstance(latent_BSW, LatentStack):
-        if cfg.pallas_decode("mla"):  # one device (`run_stack` makes these only there): the stack as it is
-            return latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer, **kw)
-        latent_BSW = latent_BSW.materialize()
+    if isinstance(latent_BSW, LatentStack):  # `run_stack` makes these only where the kernel runs, on one device
+        return latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer, **kw)
     if not cfg.pallas_decode("mla"):
         return latent_attention(q_BHW, latent_BSW, lengths_B, new_BW, **kw)
     args = dict(q_BHW=q_BHW, cache_BSW=latent_BSW, lengths_B=lengths_B, new_BW=new_BW)

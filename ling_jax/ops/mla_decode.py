@@ -32,10 +32,6 @@ class LatentStack:
     stack: jax.Array  # [L, B, S, W]
     layer: jax.Array  # int32 scalar, this layer's index in the stack
 
-    def materialize(self) -> jax.Array:
-        """The layer's [B, S, W] (a slice: for the XLA forms, which fuse it)."""
-        return self.stack[self.layer]
-
 
 def latent_attention(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
                      rank: int, scale: float, block: int = LATENT_BLOCK) -> jax.Array:
