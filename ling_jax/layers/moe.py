@@ -42,6 +42,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
 from ling_jax.ops.moe import EXPERT_LEAVES, expert_counts, materialize, routed_experts, routed_partial
 from ling_jax.ops.pallas_gpu import on_gpu
+from ling_jax.ops.route_pallas import combine_weights, select_experts
 
 
 def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
@@ -53,6 +54,19 @@ def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
     return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if on_gpu() else jax.lax.Precision.HIGHEST
 
 
+ROUTE_KERNEL_MAX_TOKENS = 512  # up to this many tokens per call `route` may select in the Pallas kernel
+
+
+def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
+    """Whether `route` selects the experts of `n_tokens` tokens in the Pallas kernel
+    (`ops.route_pallas`): at most ROUTE_KERNEL_MAX_TOKENS of them (decode steps, short prompts),
+    no multi-device context mesh, and decode_impl "pallas" (interpret mode off a GPU) or "auto" on a
+    GPU (`pallas_gpu.on_gpu`)."""
+    if cfg.decode_impl == "xla" or n_tokens > ROUTE_KERNEL_MAX_TOKENS or sharding.multi_device(sharding.context_mesh()):
+        return False
+    return cfg.decode_impl == "pallas" or on_gpu()
+
+
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
           cfg: LingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
@@ -60,9 +74,14 @@ def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
     Selection ranks `sigmoid(logits) + bias`: groups by the sum of their top-2, the best
     `topk_group` groups kept, then the top-k experts inside them. Weights are the *unbiased*
     scores of the chosen experts, renormalised (k > 1) and scaled by `routed_scaling_factor`.
+    Where `route_kernel` says so, everything after the router matmul is one Pallas kernel.
     """
     n, e = x_ND.shape[0], w_router_DE.shape[1]
     logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision())
+    if route_kernel(cfg, n):
+        idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)
+        return idx_NK, w_NK, logits_NE
     scores_NE = jax.nn.sigmoid(logits_NE)
     sel_NE = scores_NE + bias_E.astype(jnp.float32)
     sel_NGX = sel_NE.reshape(n, cfg.n_group, e // cfg.n_group)
@@ -71,10 +90,8 @@ def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
     keep_NG = jax.nn.one_hot(top_groups, cfg.n_group, dtype=jnp.bool_).any(axis=1)
     masked_NE = jnp.where(keep_NG[..., None], sel_NGX, -jnp.inf).reshape(n, e)
     _, idx_NK = jax.lax.top_k(masked_NE, cfg.num_experts_per_tok)
-    w_NK = jnp.take_along_axis(scores_NE, idx_NK, axis=1)
-    if cfg.num_experts_per_tok > 1:
-        w_NK = w_NK / (w_NK.sum(-1, keepdims=True) + 1e-20)
-    return idx_NK.astype(jnp.int32), w_NK * cfg.routed_scaling_factor, logits_NE
+    idx_NK = idx_NK.astype(jnp.int32)
+    return idx_NK, combine_weights(scores_NE, idx_NK, cfg.routed_scaling_factor), logits_NE
 
 
 def expert_parallel(

@@ -48,23 +48,26 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _kernel(idx_ref, x_ref, *refs, n_w: int, bc: int, bo: int):
+def _kernel(idx_ref, x_ref, *refs, n_w: int, bc: int, bo: int, copies: int):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = idx_ref[m]
-    x_C = x_ref[m, pl.ds(s * bc, bc)].astype(jnp.float32)
+    x_C = x_ref[m // copies, pl.ds(s * bc, bc)].astype(jnp.float32)
     for w_ref, out_ref in zip(refs[:n_w], refs[n_w:], strict=True):
         w_CO = w_ref[e, pl.ds(s * bc, bc), pl.ds(o * bo, bo)].astype(jnp.float32)
         out_ref[...] = jnp.sum(x_C[:, None] * w_CO, axis=0)
 
 
 def gathered_products(x_MC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
-                      interpret: bool | None = None) -> tuple[jax.Array, ...]:
-    """For every weight stack w [E, C, O]: x[m] @ w[idx[m]] for each row m -> [M, O] float32.
+                      copies: int = 1, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """For every weight stack w [E, C, O]: x[m // copies] @ w[idx[m]] for each copy m -> [M, O] float32.
 
-    x: [M, C] (one row per token copy), idx: [M] int32 expert of each copy (must be in [0, E)).
-    All weights share E, C and O. `interpret` defaults to True off GPU.
+    x: [M / copies, C] (one row per token, each token used by `copies` consecutive copies: no
+    repeated copy of x), idx: [M] int32 expert of each copy (must be in [0, E)). All weights share
+    E, C and O. `interpret` defaults to True off GPU.
     """
-    m, c = x_MC.shape
+    m, c = idx_M.shape[0], x_MC.shape[1]
+    if x_MC.shape[0] * copies != m:
+        raise ValueError(f"gathered_products: {x_MC.shape[0]} rows x {copies} copies != {m} expert ids")
     o = weights[0].shape[-1]
     if not supported(c, o):
         raise ValueError(f"gathered_products: no power-of-two tile >= {MIN_TILE} divides C={c} and O={o}")
@@ -73,7 +76,7 @@ def gathered_products(x_MC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
     partials = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(weights), bc=bc, bo=bo),
+        functools.partial(_kernel, n_w=len(weights), bc=bc, bo=bo, copies=copies),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, x_MC, *weights)],

@@ -355,10 +355,12 @@ def routed_partial(
             wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
         else:
             wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
-        g_MI, u_MI = expert_gemv.gathered_products(jnp.repeat(x_ND, k, axis=0), sel_M, (wg, wu))
+        g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), copies=k)
         h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
         (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,))
-        return combine(y_MD.astype(dt).reshape(n, k, -1), jnp.where(is_local_NK, w_NK, 0.0), jnp.float32)
+        # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
+        y_NKD = y_MD.astype(dt).astype(jnp.float32).reshape(n, k, -1)
+        return jnp.sum(jnp.where(is_local_NK, w_NK, 0.0)[..., None] * y_NKD, axis=1)
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     if impl == "gather":
         dt = x_ND.dtype

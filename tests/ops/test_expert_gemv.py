@@ -30,6 +30,18 @@ def test_products_equal_gathered_einsum(m, c, o, dtype, tol):
         assert g.dtype == jnp.float32 and rel_l2(g, want) < tol
 
 
+def test_each_token_row_serves_its_copies():
+    """copies=k: copy m reads token row m // k (the MoE's k choices per token, no repeated x)."""
+    rng = np.random.default_rng(7)
+    x, _, ws = _case(rng, 3, 5, 64, 32, jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 5, 12), jnp.int32)
+    got = gathered_products(x, idx, ws, copies=4)
+    for g, want in zip(got, gathered_products(jnp.repeat(x, 4, axis=0), idx, ws), strict=True):
+        np.testing.assert_array_equal(g, want)
+    with pytest.raises(ValueError, match="copies"):
+        gathered_products(x, idx, ws, copies=3)
+
+
 def test_unsupported_shapes_raise():
     assert not supported(64, 12) and not supported(24, 64) and supported(1536, 1280)
     x, idx, ws = _case(np.random.default_rng(0), 2, 3, 64, 12, jnp.float32)

@@ -1,0 +1,92 @@
+"""The fused expert-selection kernel (`ops.route_pallas`, interpret mode) against `layers.moe.route`'s XLA form:
+the same experts in the same order (ties included), the same weights and the same gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ling_jax.config import LingConfig
+from ling_jax.layers.moe import ROUTE_KERNEL_MAX_TOKENS, route, route_kernel
+from ling_jax.ops.pallas_gpu import on_gpu
+from ling_jax.ops.route_pallas import select_experts
+
+CASES = [  # (tokens, experts, groups, groups kept, k): Ling-3.0-tiny's, flash's, and awkward ones
+    (1, 128, 8, 4, 8),
+    (37, 128, 8, 4, 8),
+    (3, 512, 8, 4, 8),
+    (21, 64, 4, 2, 6),  # k not a power of two
+    (5, 48, 4, 3, 5),  # experts not a power of two: padded in the kernel
+    (9, 16, 8, 8, 1),  # groups of two, every group kept, one expert: no renormalisation
+]
+
+
+def _configs(e, g, tg, k):
+    cfg = dataclasses.replace(LingConfig.preset("debug"), num_experts=e, n_group=g, topk_group=tg,
+                              num_experts_per_tok=k, routed_scaling_factor=2.5)
+    return dataclasses.replace(cfg, decode_impl="xla"), dataclasses.replace(cfg, decode_impl="pallas")
+
+
+def _inputs(rng, n, e, ties):
+    x = rng.standard_normal((n, 32))
+    w = rng.standard_normal((32, e)) * 0.3
+    if ties:  # logits on a coarse grid: many exact ties between experts and between groups
+        w = np.eye(32, e) if e <= 32 else np.concatenate([np.eye(32)] * (e // 32) + [np.eye(32, e % 32)], 1)
+        x = np.round(rng.standard_normal((n, 32)) * 2) / 2
+    bias = rng.standard_normal(e) * 0.1 if not ties else np.round(rng.standard_normal(e)) * 0.25
+    return (jnp.asarray(a, jnp.float32) for a in (x, w, bias))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("n,e,g,tg,k", CASES)
+def test_kernel_selects_what_the_xla_form_selects(n, e, g, tg, k, ties):
+    xla, pallas = _configs(e, g, tg, k)
+    x, w, bias = _inputs(np.random.default_rng(n * e + ties), n, e, ties)
+    assert route_kernel(pallas, n) and not route_kernel(xla, n)
+    idx_x, w_x, logits_x = route(x, w, bias, xla)
+    idx_p, w_p, logits_p = route(x, w, bias, pallas)
+    np.testing.assert_array_equal(logits_p, logits_x)
+    assert idx_p.dtype == jnp.int32 and idx_p.shape == (n, k)
+    np.testing.assert_array_equal(idx_p, idx_x)  # same experts in the same (descending, lowest-index) order
+    np.testing.assert_allclose(w_p, w_x, rtol=1e-6, atol=1e-7)
+    assert len(np.unique(np.asarray(idx_p), axis=1)[0]) == k  # k distinct experts
+
+
+def test_kernel_gradient_equals_the_xla_forms():
+    n, e, g, tg, k = 6, 64, 4, 2, 6
+    xla, pallas = _configs(e, g, tg, k)
+    x, w, bias = _inputs(np.random.default_rng(3), n, e, False)
+    ct = jnp.asarray(np.random.default_rng(4).standard_normal((n, k)), jnp.float32)
+
+    def loss(cfg):
+        return jax.grad(lambda x, w: jnp.sum(route(x, w, bias, cfg)[1] * ct), argnums=(0, 1))(x, w)
+
+    for got, want in zip(loss(pallas), loss(xla), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_route_kernel_scope_and_bad_grouping():
+    xla, pallas = _configs(128, 8, 4, 8)
+    auto = dataclasses.replace(pallas, decode_impl="auto")
+    assert route_kernel(auto, 1) == on_gpu()  # "auto": the kernel on a GPU only
+    assert not route_kernel(pallas, ROUTE_KERNEL_MAX_TOKENS + 1)  # long prompts, training batches
+    logits = jnp.ones((2, 12))
+    with pytest.raises(ValueError, match="divisible by n_group"):
+        select_experts(logits, jnp.zeros(12), n_group=5, topk_group=2, k=2, scale=1.0)
+    with pytest.raises(ValueError, match="topk_group"):
+        select_experts(logits, jnp.zeros(12), n_group=4, topk_group=1, k=4, scale=1.0)
+
+
+def test_triton_lowering(h200_lowering):
+    """The kernel lowers to Triton for an H200 at Ling-3.0-tiny's and 3.1-flash's expert counts."""
+    sd = jax.ShapeDtypeStruct
+
+    for n, e in ((1, 128), (128, 128), (1, 512), (96, 512)):
+        def fn(logits, bias):
+            return select_experts(logits, bias, n_group=8, topk_group=4, k=8, scale=2.5, interpret=False)
+
+        assert "triton" in h200_lowering(fn, sd((n, e), jnp.float32), sd((e,), jnp.float32))
