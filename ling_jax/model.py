@@ -119,6 +119,7 @@ def _limits(cfg: LingConfig, layers: np.ndarray) -> jnp.ndarray:
                                 np.float32).reshape(*layers.shape, 2))
 
 
+SHARED_LEAVES = ("shared_gate_up_proj", "shared_down_proj")  # the shared expert as `ops.moe.SharedStacks`
 LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Array, Any]]
 
 
@@ -128,7 +129,9 @@ def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Param
     Each becomes its layers' flat indices (an int32 array of the stack's leading shape, sliced by
     the scan like any param) and its [L, E, C, O] stack is returned aside, to be rejoined per layer
     as an `ExpertStack` (`_join_expert_stacks`). Only dense stacks already in the compute `dtype`
-    (FP8-resident or other-dtype stacks are sliced and converted per layer, as before).
+    (FP8-resident or other-dtype stacks are sliced and converted per layer, as before). The fused
+    shared expert (`SHARED_LEAVES`) goes the same way as a one-expert stack where `ops.moe.shared_fits`:
+    the MoE then runs it inside the routed experts' gemv launches (`ops.moe.SharedStacks`).
     """
     if t is None or "router" not in t["mlp"]:
         return t, {}
@@ -137,6 +140,12 @@ def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Param
         w = mlp_p[name]
         if isinstance(w, jax.Array) and w.dtype == dtype:
             stacks[name] = w.reshape(-1, *w.shape[lead:])
+            mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+    shared = [mlp_p.get(n) for n in SHARED_LEAVES]  # present in the fused decode params (`fuse_gate_up`)
+    if ("gate_proj" in stacks and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
+            and moe_ops.shared_fits(*stacks["gate_proj"].shape[-2:], shared[1].shape[-2])):
+        for name, w in zip(SHARED_LEAVES, shared, strict=True):  # one expert per layer: [L, 1, C, O]
+            stacks[name] = w.reshape(-1, 1, *w.shape[lead:])
             mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
     return {**t, "mlp": mlp_p}, stacks
 

@@ -125,6 +125,33 @@ def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
 
 
+def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
+    """With the fused decode params and a shared expert as wide as the routed ones, the unrolled
+    gemv step runs the shared expert as one more copy per token in the routed launches
+    (`ops.moe.SharedStacks`, read from its stack) and gives the XLA step's logits and caches."""
+    from ling_jax.ops import expert_gemv
+
+    cfg = LingConfig.preset("debug", moe_shared_expert_intermediate_size=16, num_hidden_layers=6)
+    params = init_params(cfg, seed=7)
+    prompt = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    cache, _ = prefill(cfg, params, prompt, jnp.array([7, 5]), 12)
+    tok = jnp.array([4, 11], jnp.int32)
+    c_want, want = _step(cfg, params, cache, tok, True)
+    extras = []
+    real = expert_gemv.gathered_products
+    monkeypatch.setattr(expert_gemv, "gathered_products",
+                        lambda *a, **k: extras.append([w.shape for w, _ in k.get("extra", ())]) or real(*a, **k))
+    pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
+    c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
+    assert rel_l2(got, want) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-4, atol=1e-5), c_got, c_want)
+    n_moe = sum(seg.ffn == "moe" for seg in cfg.segments)  # traced MoE bodies: one per segment kind
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert len(extras) >= 2 * n_moe and all(e for e in extras)  # every launch carried the shared expert
+    assert {s[1:] for e in extras for s in e} == {(d, 2 * i), (i, d)}  # its fused gate|up and its down
+
+
 @pytest.mark.heavy
 def test_auto_gemv_reads_every_layer_from_its_stack(monkeypatch):
     """On a "GPU" (patched; the kernel runs in interpret mode) `auto` decodes through ExpertStacks and

@@ -40,7 +40,15 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
-from ling_jax.ops.moe import EXPERT_LEAVES, expert_counts, materialize, routed_experts, routed_partial
+from ling_jax.ops.moe import (
+    EXPERT_LEAVES,
+    ExpertStack,
+    SharedStacks,
+    expert_counts,
+    materialize,
+    routed_experts,
+    routed_partial,
+)
 from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import combine_weights, select_experts
 
@@ -160,16 +168,19 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | 
     with jax.named_scope("router"):
         idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg)
     mesh = sharding.context_mesh()
+    shared = None  # the decode step's stacked shared expert: it runs with the routed ones
+    if isinstance(p.get("shared_gate_up_proj"), ExpertStack):
+        shared = SharedStacks(p["shared_gate_up_proj"], p["shared_down_proj"], jnp.asarray(shared_limit, jnp.float32))
     with jax.named_scope("routed"):
         if not sharding.multi_device(mesh):
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
-                                  limit=limit, impl=cfg.moe_impl)
+                                  limit=limit, impl=cfg.moe_impl, shared=shared)
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
         else:
             y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK,
                                              *(materialize(p[n]) for n in EXPERT_LEAVES),
                                              limit=limit, impl=cfg.moe_impl, mesh=mesh)
-    if "shared_gate_proj" in p:
+    if "shared_gate_proj" in p and shared is None:
         with jax.named_scope("shared"):
             y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"],
                               shared_limit, p.get("shared_gate_up_proj"))

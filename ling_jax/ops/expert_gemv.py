@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.pallas_gpu import call_options, whole
@@ -48,40 +49,70 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _kernel(idx_ref, x_ref, *refs, n_w: int, bc: int, bo: int, copies: int):
+def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
+            bc: int, bo: int):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = idx_ref[m]
-    x_C = x_ref[m // copies, pl.ds(s * bc, bc)].astype(jnp.float32)
-    for w_ref, out_ref in zip(refs[:n_w], refs[n_w:], strict=True):
-        w_CO = w_ref[e, pl.ds(s * bc, bc), pl.ds(o * bo, bo)].astype(jnp.float32)
-        out_ref[...] = jnp.sum(x_C[:, None] * w_CO, axis=0)
+    x_C = x_ref[row_ref[m], pl.ds(s * bc, bc)].astype(jnp.float32)
+    weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
+
+    def product(w_ref, col):
+        return jnp.sum(x_C[:, None] * w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32), axis=0)
+
+    @pl.when(m < n_main)
+    def _():
+        for w_ref, out_ref in zip(weights, outs, strict=True):
+            out_ref[...] = product(w_ref, 0)
+
+    if extra_cols:
+        @pl.when(m >= n_main)
+        def _():
+            for (j, col), out_ref in zip(extra_cols, outs, strict=True):
+                out_ref[...] = product(extras[j], col)
 
 
-def gathered_products(x_MC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
-                      copies: int = 1, interpret: bool | None = None) -> tuple[jax.Array, ...]:
-    """For every weight stack w [E, C, O]: x[m // copies] @ w[idx[m]] for each copy m -> [M, O] float32.
+def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+                      rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
+                      n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """For every weight stack w [E, C, O]: x[rows[m]] @ w[idx[m]] for each copy m -> [M, O] float32.
 
-    x: [M / copies, C] (one row per token, each token used by `copies` consecutive copies: no
-    repeated copy of x), idx: [M] int32 expert of each copy (must be in [0, E)). All weights share
-    E, C and O. `interpret` defaults to True off GPU.
+    x: [R, C] rows; idx: [M] int32, each copy's expert (must be in [0, E)); rows: [M] static ints,
+    the row each copy reads (default m: one row per copy; the MoE's k choices of a token all read
+    its row, so x is never repeated). All weights share E, C and O.
+
+    `extra` (one (stack [E', C, O'], first column) per output; one array may serve several): the
+    copies from `n_main` on read their output j from x[rows[m]] @ stack_j[idx[m], :, col_j : col_j
+    + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
+    and up read from one fused matrix at columns 0 and I). `interpret` defaults to True off GPU.
     """
-    m, c = idx_M.shape[0], x_MC.shape[1]
-    if x_MC.shape[0] * copies != m:
-        raise ValueError(f"gathered_products: {x_MC.shape[0]} rows x {copies} copies != {m} expert ids")
+    r, c = x_RC.shape
+    m = idx_M.shape[0]
     o = weights[0].shape[-1]
+    rows_M = np.arange(m, dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
+    n_main = m if n_main is None else n_main
+    if rows_M.shape != (m,) or rows_M.min(initial=0) < 0 or rows_M.max(initial=0) >= r:
+        raise ValueError(f"gathered_products: rows must be {m} indices into the {r} rows of x")
     if not supported(c, o):
         raise ValueError(f"gathered_products: no power-of-two tile >= {MIN_TILE} divides C={c} and O={o}")
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError(f"gathered_products: weight shapes differ: {[w.shape for w in weights]}")
+    if (n_main < m) != bool(extra) or (extra and (len(extra) != len(weights) or any(
+            w.shape[1] != c or col + o > w.shape[2] for w, col in extra))):
+        raise ValueError(f"gathered_products: extra {[(w.shape, col) for w, col in extra]} must give each of the "
+                         f"{len(weights)} outputs C={c} rows and O={o} columns, for the copies from n_main on")
+    stacks = list(dict.fromkeys(id(w) for w, _ in extra))  # distinct extra arrays, each passed once
+    arrays = {id(w): w for w, _ in extra}
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
+    extra_arrays = [arrays[i] for i in stacks]
     partials = pl.pallas_call(
-        functools.partial(_kernel, n_w=len(weights), bc=bc, bo=bo, copies=copies),
+        functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
+                          extra_cols=tuple((stacks.index(id(w)), col) for w, col in extra), bc=bc, bo=bo),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=[whole(a) for a in (idx_M, x_MC, *weights)],
+        in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(idx_M.astype(jnp.int32), x_MC, *weights)
+    )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *weights, *extra_arrays)
     return tuple(p.sum(0) for p in partials)

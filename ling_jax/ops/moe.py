@@ -49,8 +49,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ling_jax.layers.mlp import swiglu_act
+from ling_jax.layers.mlp import mlp, swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv
 from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
 from ling_jax.ops.saved import keep
@@ -318,6 +319,61 @@ def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Arr
     return mm(swiglu_act(mm(x_MD, w_gate), mm(x_MD, w_up), limit), w_down)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedStacks:
+    """One layer's shared expert inside its segment's stacks, for the gemv kernel to run it as one
+    more copy per token in the routed experts' launches (`routed_experts(shared=...)`): the fused
+    gate|up [L, 1, D, 2I] and down [L, 1, I, D] as `ExpertStack`s (expert 0 of their layer), and
+    its SwiGLU clamp. Made by the unrolled decode step (`model.run_stack`) where `shared_fits`."""
+
+    gate_up: ExpertStack
+    down: ExpertStack
+    limit: jax.Array
+
+
+def shared_fits(hidden: int, intermediate: int, shared_intermediate: int) -> bool:
+    """Whether the shared expert can ride in the gemv launches: its width equals the routed experts'
+    (the kernel's outputs share one [M, O] shape) and the kernel tiles both."""
+    return shared_intermediate == intermediate and expert_gemv.supported(hidden, intermediate) \
+        and expert_gemv.supported(intermediate, hidden)
+
+
+def _gemv_experts(x_ND: jax.Array, idx_NK: jax.Array, w_NK: jax.Array, sel_NK: jax.Array,
+                  stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
+                  shared: SharedStacks | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The gemv path: (weighted routed sum [N, D] float32, shared expert [N, D] in x's dtype or None).
+
+    sel: each choice's expert in the given weights (0 for choices that do not count, whose weight
+    w is 0). With `shared`, the shared expert is N more copies in the same two launches.
+    """
+    n, k = idx_NK.shape
+    dt = x_ND.dtype
+    sel_M = sel_NK.reshape(-1)
+    if stacked:  # the kernel reads the layer from the stacks: no copy
+        sel_M = sel_M + stacks[0].layer * stacks[0].shape[0]
+        wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
+    else:
+        wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
+    limit_M = jnp.full((n * k, 1), limit, jnp.float32)
+    rows_M = np.arange(n * k) // k  # each token's k copies read its row
+    extra_gu = extra_d = ()
+    if shared is not None:  # then one more copy per token
+        i = wg.shape[-1]
+        gu, d = (w.stack.reshape(-1, *w.shape[1:]) for w in (shared.gate_up, shared.down))
+        sel_M = jnp.concatenate([sel_M, jnp.broadcast_to(shared.gate_up.layer, (n,))])
+        limit_M = jnp.concatenate([limit_M, jnp.full((n, 1), shared.limit, jnp.float32)])
+        rows_M = np.concatenate([rows_M, np.arange(n)])
+        extra_gu, extra_d = ((gu, 0), (gu, i)), ((d, 0),)
+    g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, n_main=n * k)
+    h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit_M)
+    (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,), extra=extra_d, n_main=n * k)
+    y_MD = y_MD.astype(dt)
+    # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
+    routed_ND = jnp.sum(w_NK[..., None] * y_MD[:n * k].astype(jnp.float32).reshape(n, k, -1), axis=1)
+    return routed_ND, None if shared is None else y_MD[n * k:]
+
+
 def routed_partial(
     x_ND: jax.Array,
     idx_NK: jax.Array,
@@ -348,19 +404,8 @@ def routed_partial(
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":
-        dt = x_ND.dtype
-        sel_M = jnp.where(is_local_NK, local_NK, 0).reshape(-1)
-        if stacked:  # the kernel reads the layer from the stacks: no copy
-            sel_M = sel_M + w_gate_LDI.layer * n_local
-            wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
-        else:
-            wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
-        g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), copies=k)
-        h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit)
-        (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,))
-        # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
-        y_NKD = y_MD.astype(dt).astype(jnp.float32).reshape(n, k, -1)
-        return jnp.sum(jnp.where(is_local_NK, w_NK, 0.0)[..., None] * y_NKD, axis=1)
+        return _gemv_experts(x_ND, idx_NK, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0),
+                             stacks, stacked, limit)[0]
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     if impl == "gather":
         dt = x_ND.dtype
@@ -394,10 +439,24 @@ def routed_experts(
     *,
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
+    shared: SharedStacks | None = None,
 ) -> jax.Array:
-    """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local)."""
-    return routed_partial(x_ND, idx_NK, w_NK, 0, w_gate_EDI, w_up_EDI, w_down_EID, limit=limit,
-                          impl=impl, all_local=True).astype(x_ND.dtype)
+    """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local).
+
+    `shared`: plus the shared expert's output, run in the gemv launches when the gemv kernel runs
+    on stacks (else as a separate SwiGLU of its layer's weights).
+    """
+    stacks = (w_gate_EDI, w_up_EDI, w_down_EID)
+    n, k = idx_NK.shape
+    stacked = gemv_tiles(stacks, x_ND.dtype)
+    if shared is not None and stacked and resolve_impl(impl, x_ND.dtype, n * k, stacked=True) == "gemv":
+        routed_ND, shared_ND = _gemv_experts(x_ND, idx_NK, w_NK, idx_NK, stacks, True, limit, shared)
+        return routed_ND.astype(x_ND.dtype) + shared_ND
+    y_ND = routed_partial(x_ND, idx_NK, w_NK, 0, *stacks, limit=limit, impl=impl, all_local=True).astype(x_ND.dtype)
+    if shared is None:
+        return y_ND
+    gu, d = (materialize(w)[0] for w in (shared.gate_up, shared.down))
+    return y_ND + mlp(x_ND, None, None, d, shared.limit, w_gate_up=gu)
 
 
 def counts(idx: jax.Array, n: int) -> jax.Array:

@@ -31,15 +31,39 @@ def test_products_equal_gathered_einsum(m, c, o, dtype, tol):
 
 
 def test_each_token_row_serves_its_copies():
-    """copies=k: copy m reads token row m // k (the MoE's k choices per token, no repeated x)."""
+    """rows: copy m reads row rows[m] (the MoE's k choices per token read its row, no repeated x)."""
     rng = np.random.default_rng(7)
     x, _, ws = _case(rng, 3, 5, 64, 32, jnp.float32)
     idx = jnp.asarray(rng.integers(0, 5, 12), jnp.int32)
-    got = gathered_products(x, idx, ws, copies=4)
+    got = gathered_products(x, idx, ws, rows=np.arange(12) // 4)
     for g, want in zip(got, gathered_products(jnp.repeat(x, 4, axis=0), idx, ws), strict=True):
         np.testing.assert_array_equal(g, want)
-    with pytest.raises(ValueError, match="copies"):
-        gathered_products(x, idx, ws, copies=3)
+    with pytest.raises(ValueError, match="rows"):
+        gathered_products(x, idx, ws, rows=np.arange(12) // 3)  # row 3 of 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_extra_copies_read_the_second_stack(dtype):
+    """extra: the copies from n_main on (one per token row) read output j from (stack_j, first column) — the shared
+    expert's gate and up from one fused [C, 2O] matrix at columns 0 and O, in the routed launch."""
+    rng = np.random.default_rng(8)
+    r, k, e, c, o = 3, 2, 5, 64, 32
+    x, _, ws = _case(rng, r, e, c, o, dtype)
+    fused = jnp.asarray(rng.standard_normal((4, c, 2 * o)) * 0.1, dtype)  # 4 layers of a shared gate|up
+    idx = jnp.asarray(np.concatenate([rng.integers(0, e, r * k), [2] * r]), jnp.int32)
+    rows = np.concatenate([np.arange(r * k) // k, np.arange(r)])
+    got = gathered_products(x, idx, ws, rows=rows, extra=((fused, 0), (fused, o)), n_main=r * k)
+    f32 = jnp.float32
+    for j, (g, w) in enumerate(zip(got, ws, strict=True)):
+        routed = jnp.einsum("mc,mco->mo", jnp.repeat(x, k, 0).astype(f32), w[idx[:r * k]].astype(f32),
+                            precision="highest")
+        shared = x.astype(f32) @ fused[2, :, j * o:(j + 1) * o].astype(f32)
+        assert g.shape == (r * k + r, o)
+        assert rel_l2(g[:r * k], routed) < 1e-6 and rel_l2(g[r * k:], shared) < 1e-6
+    with pytest.raises(ValueError, match="extra"):
+        gathered_products(x, idx, ws, rows=rows, extra=((fused, o + 1), (fused, 0)), n_main=r * k)
+    with pytest.raises(ValueError, match="extra"):
+        gathered_products(x, idx, ws, rows=rows, extra=((fused, 0), (fused, o)))  # extra weights, no n_main
 
 
 def test_unsupported_shapes_raise():
@@ -55,6 +79,13 @@ def test_triton_lowering(h200_lowering):
     def fn(x, i, a, b):
         return gathered_products(x, i, (a, b), interpret=False)
 
+    def with_shared(x, i, a, b, gu):  # the shared expert as the last copy, from its fused gate|up
+        return gathered_products(x, i, (a, b), rows=np.array([0] * 8 + [0]), extra=((gu, 0), (gu, a.shape[-1])),
+                                 n_main=8, interpret=False)
+
     for e, c, o in ((128, 1536, 512), (512, 4096, 1280), (512, 1280, 4096)):
         mlir = h200_lowering(fn, sd((8, c), bf), sd((8,), jnp.int32), sd((e, c, o), bf), sd((e, c, o), bf))
         assert "triton" in mlir
+    mlir = h200_lowering(with_shared, sd((1, 1536), bf), sd((9,), jnp.int32), sd((128, 1536, 512), bf),
+                         sd((128, 1536, 512), bf), sd((23, 1536, 1024), bf))
+    assert "triton" in mlir
