@@ -20,7 +20,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
-from ling_jax.ops.kda.decode import kda_decode_fused_pallas, kda_decode_step, kda_decode_step_pallas
+from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
@@ -108,14 +108,6 @@ def _decode_step(q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: ja
                      batch=q_BHK.shape[0], heads=q_BHK.shape[1])
 
 
-def fused_decode_step(cfg: LingConfig) -> bool:
-    """Whether a decode step of a KDA layer runs everything between its input projection and its
-    output norm in one kernel (`ops.kda.decode.kda_decode_fused_pallas`: conv, norms, gate, step):
-    where the step kernel runs (`cfg.pallas_decode("kda")`), for the safe gate (a lower bound), on
-    one device (the kernel reads whole q|k|v rows, which a head-sharded mesh splits)."""
-    return cfg.pallas_decode("kda") and cfg.kda_lower_bound is not None and not multi_device(context_mesh())
-
-
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
     dt = x.dtype
     if f"{name}_proj" in p:
@@ -151,13 +143,12 @@ def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]
     dt = x_BTD.dtype
     widths = [p[n].shape[-1] for n in _input_projections(p)]
     y = x_BTD @ p[FUSED_INPUT].astype(dt)
-    _, _, qkv, f, z, b = (y[..., e - w:e] for e, w in zip(np.cumsum(widths), [0, 0, sum(widths[:3]), *widths[3:]],
-                                                             strict=True))
+    q, k, v, f, z, b = (y[..., e - w:e] for e, w in zip(np.cumsum(widths), widths, strict=True))
     if "f_proj" not in p:
         f = f @ p["f_b_proj"].astype(dt)
     if "g_proj" not in p:
         z = z @ p["g_b_proj"].astype(dt)
-    return qkv, f, z, b
+    return jnp.concatenate([q, k, v], axis=-1), f, z, b
 
 
 def kda_mixer(
@@ -179,19 +170,12 @@ def kda_mixer(
             qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
         else:  # decode: no per-step copy of the weights
             qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+        if t == 1 and cache is not None:
+            # decode: keep the projections out of the fusion that stacks every layer's new conv window
+            # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
+            qkv_BT3P = jax.lax.optimization_barrier(qkv_BT3P)
     if not fused:
         f_BTX, z_BTX, b_BTH = _proj(x_BTD, p, "f"), _proj(x_BTD, p, "g"), x_BTD @ p["b_proj"].astype(dt)
-    if t == 1 and cache is not None and valid_BT is None and segment_ids is None and fused_decode_step(cfg):
-        with jax.named_scope("recurrence"):
-            o_BHV, state, conv_state = kda_decode_fused_pallas(
-                qkv_BT3P[:, 0], cache["conv"], (p["q_conv"], p["k_conv"], p["v_conv"]), f_BTX[:, 0].reshape(b, h, dh),
-                b_BTH[:, 0], p["A_log"], p["dt_bias"], cache["state"], lower_bound=cfg.kda_lower_bound, scale=dh**-0.5)
-        o_BTHV = gated_rms_norm(o_BHV[:, None], z_BTX.reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
-        return o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt), {"state": state, "conv": conv_state}
-    if t == 1 and cache is not None:
-        # decode: keep the projections out of the fusion that stacks every layer's new conv window
-        # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
-        qkv_BT3P = jax.lax.optimization_barrier(qkv_BT3P)
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
