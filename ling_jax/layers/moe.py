@@ -52,16 +52,6 @@ from ling_jax.ops.moe import (
 from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import combine_weights, select_experts
 
-
-def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
-    """How the float32 router matmul runs. On a GPU, six bf16 tensor-core products of the operands'
-    three-way bf16 splits (`BF16_BF16_F32_X6`): on an H200 at 32k tokens x 1536 x 128 more accurate
-    than the CUDA-core float32 GEMM that `HIGHEST` gets (relative L2 error 1.4e-7 vs 7.0e-7 against
-    float64) and faster (forward + backward 1.15 vs 1.44 ms; bench/router_matmul.py). Elsewhere
-    `HIGHEST` (float32 on CPU; six passes on TPU)."""
-    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if on_gpu() else jax.lax.Precision.HIGHEST
-
-
 ROUTE_KERNEL_MAX_TOKENS = 512  # up to this many tokens per call `route` may select in the Pallas kernel
 
 
@@ -75,6 +65,19 @@ def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     return cfg.decode_impl == "pallas" or on_gpu()
 
 
+def router_precision(n_tokens: int) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
+    """How the float32 router matmul of `n_tokens` tokens runs. On a GPU, beyond
+    ROUTE_KERNEL_MAX_TOKENS tokens, six bf16 tensor-core products of the operands' three-way bf16
+    splits (`BF16_BF16_F32_X6`): on an H200 at 32k tokens x 1536 x 128 more accurate than the
+    CUDA-core float32 GEMM that `HIGHEST` gets (relative L2 error 1.4e-7 vs 7.0e-7 against float64)
+    and faster (forward + backward 1.15 vs 1.44 ms; bench/router_matmul.py). For decode-sized
+    calls `HIGHEST`: a matrix-vector product, one reduction in float32, where the splits cost a
+    second launch per layer. Elsewhere `HIGHEST` (float32 on CPU; six passes on TPU)."""
+    if on_gpu() and n_tokens > ROUTE_KERNEL_MAX_TOKENS:
+        return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+    return jax.lax.Precision.HIGHEST
+
+
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
           cfg: LingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
@@ -85,7 +88,7 @@ def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
     Where `route_kernel` says so, everything after the router matmul is one Pallas kernel.
     """
     n, e = x_ND.shape[0], w_router_DE.shape[1]
-    logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision())
+    logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision(n))
     if route_kernel(cfg, n):
         idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                       k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)

@@ -355,14 +355,15 @@ def _gemv_experts(x_ND: jax.Array, idx_NK: jax.Array, w_NK: jax.Array, sel_NK: j
         wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
     else:
         wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
-    limit_M = jnp.full((n * k, 1), limit, jnp.float32)
+    limit_M = jnp.asarray(limit, jnp.float32)
     rows_M = np.arange(n * k) // k  # each token's k copies read its row
     extra_gu = extra_d = ()
     if shared is not None:  # then one more copy per token
         i = wg.shape[-1]
         gu, d = (w.stack.reshape(-1, *w.shape[1:]) for w in (shared.gate_up, shared.down))
         sel_M = jnp.concatenate([sel_M, jnp.broadcast_to(shared.gate_up.layer, (n,))])
-        limit_M = jnp.concatenate([limit_M, jnp.full((n, 1), shared.limit, jnp.float32)])
+        # per-copy clamp from a constant mask: fused into the SwiGLU (a concatenation is a launch)
+        limit_M = jnp.where(np.arange(n * k + n)[:, None] >= n * k, shared.limit, limit_M)
         rows_M = np.concatenate([rows_M, np.arange(n)])
         extra_gu, extra_d = ((gu, 0), (gu, i)), ((d, 0),)
     g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, n_main=n * k)
