@@ -55,6 +55,16 @@ from ling_jax.ops.route_pallas import combine_weights, select_experts
 ROUTE_KERNEL_MAX_TOKENS = 512  # up to this many tokens per call `route` may select in the Pallas kernel
 
 
+def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
+    """How the float32 router matmul runs. On a GPU, six bf16 tensor-core products of the operands'
+    three-way bf16 splits (`BF16_BF16_F32_X6`): on an H200 at 32k tokens x 1536 x 128 more accurate
+    than the CUDA-core float32 GEMM that `HIGHEST` gets (relative L2 error 1.4e-7 vs 7.0e-7 against
+    float64) and faster (forward + backward 1.15 vs 1.44 ms; bench/router_matmul.py). At decode
+    sizes it makes no difference: `HIGHEST` also took two launches per layer (BENCHMARKS.md).
+    Elsewhere `HIGHEST` (float32 on CPU; six passes on TPU)."""
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if on_gpu() else jax.lax.Precision.HIGHEST
+
+
 def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     """Whether `route` selects the experts of `n_tokens` tokens in the Pallas kernel
     (`ops.route_pallas`): at most ROUTE_KERNEL_MAX_TOKENS of them (decode steps, short prompts),
@@ -63,19 +73,6 @@ def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     if cfg.decode_impl == "xla" or n_tokens > ROUTE_KERNEL_MAX_TOKENS or sharding.multi_device(sharding.context_mesh()):
         return False
     return cfg.decode_impl == "pallas" or on_gpu()
-
-
-def router_precision(n_tokens: int) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
-    """How the float32 router matmul of `n_tokens` tokens runs. On a GPU, beyond
-    ROUTE_KERNEL_MAX_TOKENS tokens, six bf16 tensor-core products of the operands' three-way bf16
-    splits (`BF16_BF16_F32_X6`): on an H200 at 32k tokens x 1536 x 128 more accurate than the
-    CUDA-core float32 GEMM that `HIGHEST` gets (relative L2 error 1.4e-7 vs 7.0e-7 against float64)
-    and faster (forward + backward 1.15 vs 1.44 ms; bench/router_matmul.py). For decode-sized
-    calls `HIGHEST`: a matrix-vector product, one reduction in float32, where the splits cost a
-    second launch per layer. Elsewhere `HIGHEST` (float32 on CPU; six passes on TPU)."""
-    if on_gpu() and n_tokens > ROUTE_KERNEL_MAX_TOKENS:
-        return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
-    return jax.lax.Precision.HIGHEST
 
 
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
@@ -88,7 +85,7 @@ def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
     Where `route_kernel` says so, everything after the router matmul is one Pallas kernel.
     """
     n, e = x_ND.shape[0], w_router_DE.shape[1]
-    logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision(n))
+    logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision())
     if route_kernel(cfg, n):
         idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                       k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)
