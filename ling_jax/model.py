@@ -142,7 +142,7 @@ def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Param
             stacks[name] = w.reshape(-1, *w.shape[lead:])
             mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
     shared = [mlp_p.get(n) for n in SHARED_LEAVES]  # present in the fused decode params (`fuse_gate_up`)
-    if ("gate_proj" in stacks and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
+    if (len(stacks) == len(moe_ops.EXPERT_LEAVES) and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
             and moe_ops.shared_fits(*stacks["gate_proj"].shape[-2:], shared[1].shape[-2])):
         for name, w in zip(SHARED_LEAVES, shared, strict=True):  # one expert per layer: [L, 1, C, O]
             stacks[name] = w.reshape(-1, 1, *w.shape[lead:])

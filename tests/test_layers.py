@@ -128,6 +128,13 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     assert moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 16)
     assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 24)  # no tile: the plain slices
     assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 128, 64, 16)  # beyond decode sizes
+    # the shared expert rides in the gemv launches only at the routed width, and only on that path
+    assert moe_ops.shared_fits(64, 16, 16) and not moe_ops.shared_fits(64, 16, 32)
+    one = moe_ops.ExpertStack(jnp.zeros((2, 1, 64, 32)), jnp.int32(0))
+    shared = moe_ops.SharedStacks(one, moe_ops.ExpertStack(jnp.zeros((2, 1, 16, 64)), jnp.int32(0)), jnp.float32(0))
+    with pytest.raises(ValueError, match="gemv kernel on expert stacks"):
+        moe_ops.routed_experts(jnp.zeros((1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), w_in, w_in, w_out,
+                               impl="gather", shared=shared)
     with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: the decode-step kernels per
         assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")  # shard, the experts on the XLA path
         assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"

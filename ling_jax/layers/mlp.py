@@ -16,7 +16,7 @@ def swiglu_act(gate: jax.Array, up: jax.Array, limit: jax.Array | float) -> jax.
     return jnp.where(limit > 0, clamped, act * up)
 
 
-def mlp(x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array | None, w_down: jax.Array,
+def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
         limit: jax.Array | float = 0.0, w_gate_up: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> [..., D]; weights [D, I], [D, I], [I, D] cast to x's dtype. `w_gate_up` [D, 2I]
     (`fuse_gate_up`, the decode loop's params), when given, replaces the first two: one product."""

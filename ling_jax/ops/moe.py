@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.layers.mlp import mlp, swiglu_act
+from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv
 from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
 from ling_jax.ops.saved import keep
@@ -339,15 +339,15 @@ def shared_fits(hidden: int, intermediate: int, shared_intermediate: int) -> boo
         and expert_gemv.supported(intermediate, hidden)
 
 
-def _gemv_experts(x_ND: jax.Array, idx_NK: jax.Array, w_NK: jax.Array, sel_NK: jax.Array,
-                  stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
+def _gemv_experts(x_ND: jax.Array, w_NK: jax.Array, sel_NK: jax.Array, stacks: tuple[jax.Array | ExpertStack, ...],
+                  stacked: bool, limit: jax.Array | float,
                   shared: SharedStacks | None = None) -> tuple[jax.Array, jax.Array | None]:
     """The gemv path: (weighted routed sum [N, D] float32, shared expert [N, D] in x's dtype or None).
 
     sel: each choice's expert in the given weights (0 for choices that do not count, whose weight
     w is 0). With `shared`, the shared expert is N more copies in the same two launches.
     """
-    n, k = idx_NK.shape
+    n, k = sel_NK.shape
     dt = x_ND.dtype
     sel_M = sel_NK.reshape(-1)
     if stacked:  # the kernel reads the layer from the stacks: no copy
@@ -405,8 +405,8 @@ def routed_partial(
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":
-        return _gemv_experts(x_ND, idx_NK, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0),
-                             stacks, stacked, limit)[0]
+        return _gemv_experts(x_ND, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0), stacks,
+                             stacked, limit)[0]
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     if impl == "gather":
         dt = x_ND.dtype
@@ -444,20 +444,17 @@ def routed_experts(
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local).
 
-    `shared`: plus the shared expert's output, run in the gemv launches when the gemv kernel runs
-    on stacks (else as a separate SwiGLU of its layer's weights).
+    `shared` (the unrolled decode step's, made only where the gemv kernel runs on stacks): plus the
+    shared expert's output, computed in the same gemv launches.
     """
     stacks = (w_gate_EDI, w_up_EDI, w_down_EID)
-    n, k = idx_NK.shape
-    stacked = gemv_tiles(stacks, x_ND.dtype)
-    if shared is not None and stacked and resolve_impl(impl, x_ND.dtype, n * k, stacked=True) == "gemv":
-        routed_ND, shared_ND = _gemv_experts(x_ND, idx_NK, w_NK, idx_NK, stacks, True, limit, shared)
-        return routed_ND.astype(x_ND.dtype) + shared_ND
-    y_ND = routed_partial(x_ND, idx_NK, w_NK, 0, *stacks, limit=limit, impl=impl, all_local=True).astype(x_ND.dtype)
     if shared is None:
-        return y_ND
-    gu, d = (materialize(w)[0] for w in (shared.gate_up, shared.down))
-    return y_ND + mlp(x_ND, None, None, d, shared.limit, w_gate_up=gu)
+        return routed_partial(x_ND, idx_NK, w_NK, 0, *stacks, limit=limit, impl=impl, all_local=True).astype(x_ND.dtype)
+    if not gemv_tiles(stacks, x_ND.dtype) or resolve_impl(impl, x_ND.dtype, idx_NK.size, stacked=True) != "gemv":
+        raise ValueError(f"routed_experts: a shared expert in the launches needs the gemv kernel on expert stacks "
+                         f"(impl={impl!r}, {idx_NK.size} copies)")
+    routed_ND, shared_ND = _gemv_experts(x_ND, w_NK, idx_NK, stacks, True, limit, shared)
+    return routed_ND.astype(x_ND.dtype) + shared_ND
 
 
 def counts(idx: jax.Array, n: int) -> jax.Array:
