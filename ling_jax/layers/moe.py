@@ -67,10 +67,11 @@ def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
 
 def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     """Whether `route` selects the experts of `n_tokens` tokens in the Pallas kernel
-    (`ops.route_pallas`): at most ROUTE_KERNEL_MAX_TOKENS of them (decode steps, short prompts),
+    (`ops.route_pallas`): 1 to ROUTE_KERNEL_MAX_TOKENS of them (decode steps, short prompts),
     no multi-device context mesh, and decode_impl "pallas" (interpret mode off a GPU) or "auto" on a
     GPU (`pallas_gpu.on_gpu`)."""
-    if cfg.decode_impl == "xla" or n_tokens > ROUTE_KERNEL_MAX_TOKENS or sharding.multi_device(sharding.context_mesh()):
+    if (cfg.decode_impl == "xla" or not 0 < n_tokens <= ROUTE_KERNEL_MAX_TOKENS
+            or sharding.multi_device(sharding.context_mesh())):
         return False
     return cfg.decode_impl == "pallas" or on_gpu()
 

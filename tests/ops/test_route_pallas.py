@@ -74,6 +74,10 @@ def test_route_kernel_scope_and_bad_grouping():
     auto = dataclasses.replace(pallas, decode_impl="auto")
     assert route_kernel(auto, 1) == on_gpu()  # "auto": the kernel on a GPU only
     assert not route_kernel(pallas, ROUTE_KERNEL_MAX_TOKENS + 1)  # long prompts, training batches
+    assert not route_kernel(pallas, 0)  # no tokens: the XLA form's empty result
+    x, w, bias = _inputs(np.random.default_rng(0), 0, 128, False)
+    idx, wts, _ = route(x, w, bias, pallas)
+    assert idx.shape == (0, 8) and wts.shape == (0, 8)
     logits = jnp.ones((2, 12))
     with pytest.raises(ValueError, match="divisible by n_group"):
         select_experts(logits, jnp.zeros(12), n_group=5, topk_group=2, k=2, scale=1.0)
