@@ -47,6 +47,7 @@ def _kernel(logits_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, to
     f32, ninf = jnp.float32, -jnp.inf
     scores = jax.nn.sigmoid(logits_ref[...])  # [BN, Ep]
     sel = scores + bias_ref[...]  # padded experts: bias -inf
+    sel = jnp.where(sel != sel, ninf, sel)  # NaN scores rank last: every chosen index stays a real expert
     grp = group_ref[...]  # [1, Ep] int32 group of each expert; n_group for the padding
     ep = sel.shape[1]
     col = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)

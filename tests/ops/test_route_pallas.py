@@ -56,6 +56,18 @@ def test_kernel_selects_what_the_xla_form_selects(n, e, g, tg, k, ties):
     assert len(np.unique(np.asarray(idx_p), axis=1)[0]) == k  # k distinct experts
 
 
+def test_nan_scores_still_choose_real_experts():
+    """A NaN router logit (a broken model) must not send the gemv kernel past the expert stack:
+    NaN scores rank last, so every index stays in [0, E) (E padded to a power of two here)."""
+    _, pallas = _configs(48, 4, 3, 5)
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((4, 48)), jnp.float32)
+    logits = logits.at[0, 3].set(jnp.nan).at[1].set(jnp.nan)  # one NaN, and a row of NaNs
+    idx, _ = select_experts(logits, jnp.zeros(48), n_group=4, topk_group=3, k=5, scale=1.0)
+    assert int(idx.min()) >= 0 and int(idx.max()) < 48
+    row = np.asarray(idx[0]).tolist()  # one NaN: the row still routes to 5 distinct finite experts
+    assert len(set(row)) == 5 and 3 not in row
+
+
 def test_kernel_gradient_equals_the_xla_forms():
     n, e, g, tg, k = 6, 64, 4, 2, 6
     xla, pallas = _configs(e, g, tg, k)
