@@ -100,14 +100,13 @@ def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
             w.shape[1] != c or col + o > w.shape[2] for w, col in extra))):
         raise ValueError(f"gathered_products: extra {[(w.shape, col) for w, col in extra]} must give each of the "
                          f"{len(weights)} outputs C={c} rows and O={o} columns, for the copies from n_main on")
-    stacks = list(dict.fromkeys(id(w) for w, _ in extra))  # distinct extra arrays, each passed once
-    arrays = {id(w): w for w, _ in extra}
+    extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
+    slot = {id(w): j for j, w in enumerate(extra_arrays)}
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
-    extra_arrays = [arrays[i] for i in stacks]
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((stacks.index(id(w)), col) for w, col in extra), bc=bc, bo=bo),
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *weights, *extra_arrays)],

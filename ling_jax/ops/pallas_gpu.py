@@ -35,6 +35,11 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n: a Triton block that holds n values (the rest padding)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     """`a` zero-padded at the end of `axis` to a multiple of `multiple` (a kernel's tile)."""
     extra = -a.shape[axis] % multiple

@@ -22,16 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, pad_axis
+from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis
 
 NUM_WARPS = 1  # one row per program: every reduction stays inside one warp (shuffles, no barriers)
-
-
-def _next_pow2(n: int) -> int:
-    """The smallest power of two >= n (Triton's block sizes)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def combine_weights(scores_NE: jax.Array, idx_NK: jax.Array, scale: float) -> jax.Array:
@@ -88,25 +84,26 @@ def _kernel(logits_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, to
 def _select(logits_NE: jax.Array, bias_E: jax.Array, n_group: int, topk_group: int, k: int, scale: float,
             interpret: bool | None) -> tuple[jax.Array, jax.Array]:
     n, e = logits_NE.shape
-    ep, kp = _next_pow2(e), _next_pow2(k)
-    bn = 1  # one token per program: the rounds below are a serial chain; rows in parallel fill the GPU
+    ep, kp = next_pow2(e), next_pow2(k)
     logits = pad_axis(logits_NE.astype(jnp.float32), 1, ep)
-    bias = jnp.pad(bias_E.astype(jnp.float32), (0, ep - e), constant_values=-jnp.inf)[None]
-    group = jnp.minimum(jnp.arange(ep, dtype=jnp.int32) // (e // n_group), n_group)[None]
-    rows = pl.BlockSpec((bn, ep), lambda i: (i, 0))
+    bias = bias_E.astype(jnp.float32)[None]
+    if ep > e:
+        bias = jnp.pad(bias, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
+    group = np.minimum(np.arange(ep, dtype=np.int32) // (e // n_group), n_group)[None]  # a constant
+    # one token per program: the rounds of the kernel are a serial chain; rows in parallel fill the GPU
+    rows = pl.BlockSpec((1, ep), lambda i: (i, 0))
     vec = pl.BlockSpec((1, ep), lambda i: (0, 0))
-    out = pl.BlockSpec((bn, kp), lambda i: (i, 0))
+    out = pl.BlockSpec((1, kp), lambda i: (i, 0))
     idx, w = pl.pallas_call(
         functools.partial(_kernel, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
-        out_shape=[jax.ShapeDtypeStruct((logits.shape[0], kp), jnp.int32),
-                   jax.ShapeDtypeStruct((logits.shape[0], kp), jnp.float32)],
-        grid=(logits.shape[0] // bn,),
+        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32), jax.ShapeDtypeStruct((n, kp), jnp.float32)],
+        grid=(n,),
         in_specs=[rows, vec, vec],
         out_specs=[out, out],
         name="route_select",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(logits, bias, group)
-    return idx[:n, :k], w[:n, :k]
+    )(logits, bias, jnp.asarray(group))
+    return idx[:, :k], w[:, :k]
 
 
 def select_experts(logits_NE: jax.Array, bias_E: jax.Array, *, n_group: int, topk_group: int, k: int,
