@@ -164,6 +164,10 @@ def _k_bwd_pairs(kp, cfg, *a):
     return kp._bwd_pairs(cfg, *a[:6], (), a[6:8], *a[8:])
 
 
+def _k_bwd_var(launch, cfg, norms, *a):
+    return launch(cfg, *a[:6], (), norms, *a[6:])
+
+
 def per_kernel(args) -> None:
     """Times each of the seven launches alone (bf16, default parameters; with --block-k / --warps /
     --stages also the chunk-parallel ones at those settings): where the time goes."""
@@ -232,6 +236,19 @@ def per_kernel(args) -> None:
                       (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_pairs, kp, var)), a_bpairs)]
             if warps is not None or stages is not None:  # bwd_intra has no key loop
                 cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
+        if args.unfused:  # the gate (then also the L2 norm) computed outside the kernels: what fusing costs
+            gd = (-5.0 * jax.nn.sigmoid(g.astype(jnp.float32))).astype(bf)  # a log decay in the kernels' range
+            for tag, kw in (("nogate", {"gate": None}), ("nogate_nonorm", {"gate": None, "l2norm": False})):
+                var = dataclasses.replace(cfg, **kw)
+                nb = norms if var.l2norm else ()
+                cases += [
+                    (f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)),
+                     (q, k, gd, *a_pairs[3:])),
+                    (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), (q, k, v, gd, *a_wu[4:])),
+                    (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd_var, kp._bwd_dqkg, var, nb)),
+                     (q, k, gd, *a_dqkg[3:6], *a_dqkg[8:])),
+                    (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_var, kp._bwd_pairs, var, nb)),
+                     (q, k, gd, *a_bpairs[3:6], *a_bpairs[8:]))]
         res = {}
         for name, fn, a in cases:
             for _ in range(2):
@@ -269,6 +286,8 @@ def main() -> None:
                     default=[None], help="--per-kernel: ... and these warp counts ('default': Cfg's)")
     ap.add_argument("--stages", type=lambda s: None if s == "default" else int(s), nargs="*",
                     default=[None], help="--per-kernel: ... and these pipeline stages ('default': Cfg's)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="--per-kernel: also time the chunk-parallel kernels with the gate (and the L2 norm) outside")
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
     if args.fla_worker:

@@ -34,7 +34,9 @@ DECODE_IMPLS = ("auto", "xla", "pallas")
 # the head dims allow (LingConfig.pallas_attention)
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # the widths each decode kernel needs as powers of two, with their least value (Triton tiles)
-PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),)}
+# the decode kernels and the widths they need (powers of two >= the bound); "proj": the batch-1 step's projections
+# (`ops.layer_gemv`, which checks each weight's tiles itself)
+PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),), "proj": ()}
 
 
 class ConfigError(ValueError):
@@ -184,11 +186,12 @@ class LingConfig:
         v = getattr(self, name)
         return v >= least and v & (v - 1) == 0
 
-    def pallas_decode(self, mixer: Mixer) -> bool:
+    def pallas_decode(self, mixer: Mixer | Literal["proj"]) -> bool:
         """Whether the decode step of `mixer` layers runs its Pallas kernel: decode_impl "pallas", or
         "auto" on a GPU (`pallas_gpu.on_gpu`; under a multi-device mesh per shard) with the widths the
         kernel takes (MLA: latent rank and rope width powers of two; KDA: head_dim a power of two
-        >= 16). Elsewhere the XLA form."""
+        >= 16). Elsewhere the XLA form. "proj": the batch-1 step's projections (`ops.layer_gemv`; the
+        caller adds its own conditions, `model.run_stack`)."""
         if self.decode_impl != "auto":
             return self.decode_impl == "pallas"
         from ling_jax.ops.pallas_gpu import on_gpu

@@ -21,15 +21,17 @@ import numpy as np
 
 from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import Ffn, LingConfig, Mixer
-from ling_jax.layers.kda import kda_mixer
+from ling_jax.layers.kda import FUSED_INPUT, kda_mixer
 from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.ops import layer_gemv
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
+from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL
@@ -123,38 +125,68 @@ SHARED_LEAVES = ("shared_gate_up_proj", "shared_down_proj")  # the shared expert
 LayerFn = Callable[[Params, jax.Array, jax.Array, Any, Mixer, Ffn], tuple[jax.Array, Any]]
 
 
-def _split_expert_stacks(t: Params | None, lead: int, dtype: Any) -> tuple[Params | None, dict[str, jax.Array]]:
-    """Takes the routed-expert stacks out of layer-stacked params `t` (`lead` stack axes).
+Stacks = dict[tuple[str, str], tuple[type, jax.Array]]  # (subtree, leaf) -> (view class, flat stack)
+LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes as `WeightStack`s
+    "attn": (FUSED_INPUT, "f_b_proj", "g_b_proj", "o_proj", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj",
+             "g_proj", "dense"),
+    "mlp": ("gate_up_proj", "down_proj"),
+}
 
-    Each becomes its layers' flat indices (an int32 array of the stack's leading shape, sliced by
-    the scan like any param) and its [L, E, C, O] stack is returned aside, to be rejoined per layer
-    as an `ExpertStack` (`_join_expert_stacks`). Only dense stacks already in the compute `dtype`
-    (FP8-resident or other-dtype stacks are sliced and converted per layer, as before). The fused
-    shared expert (`SHARED_LEAVES`) goes the same way as a one-expert stack where `ops.moe.shared_fits`:
-    the MoE then runs it inside the routed experts' gemv launches (`ops.moe.SharedStacks`).
+
+def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool,
+                  linears: bool) -> tuple[Params | None, Stacks]:
+    """Takes weight stacks out of layer-stacked params `t` (`lead` stack axes), for kernels that read a
+    layer in place (XLA copies a sliced stack passed to a custom call).
+
+    Each taken leaf becomes its layers' flat indices (an int32 array of the stack's leading shape,
+    sliced by the scan like any param); its stack, flattened to one layer axis, is returned aside, to
+    be rejoined per layer as a view (`_join_stacks`). Only dense stacks already in the compute
+    `dtype` (FP8-resident or other-dtype stacks are sliced and converted per layer, as before).
+    `experts`: the routed-expert stacks as `ExpertStack`s, and the fused shared expert
+    (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
+    the routed experts' gemv launches, `ops.moe.SharedStacks`). `linears`: the `LINEAR_LEAVES`
+    projections as `layer_gemv.WeightStack`s.
     """
-    if t is None or "router" not in t["mlp"]:
+    if t is None:
         return t, {}
-    mlp_p, stacks = dict(t["mlp"]), {}
-    for name in moe_ops.EXPERT_LEAVES:
-        w = mlp_p[name]
-        if isinstance(w, jax.Array) and w.dtype == dtype:
-            stacks[name] = w.reshape(-1, *w.shape[lead:])
-            mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
-    shared = [mlp_p.get(n) for n in SHARED_LEAVES]  # present in the fused decode params (`fuse_gate_up`)
-    if (len(stacks) == len(moe_ops.EXPERT_LEAVES) and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
-            and moe_ops.shared_fits(*stacks["gate_proj"].shape[-2:], shared[1].shape[-2])):
-        for name, w in zip(SHARED_LEAVES, shared, strict=True):  # one expert per layer: [L, 1, C, O]
-            stacks[name] = w.reshape(-1, 1, *w.shape[lead:])
-            mlp_p[name] = jnp.arange(stacks[name].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
-    return {**t, "mlp": mlp_p}, stacks
+    subs = {k: dict(v) for k, v in t.items() if k in ("attn", "mlp")}
+    stacks: Stacks = {}
+
+    def take(sub: str, name: str, cls: type, experts_axis: bool) -> None:
+        w = subs[sub][name]
+        flat = w.reshape(-1, *((1,) if experts_axis else ()), *w.shape[lead:])
+        stacks[sub, name] = (cls, flat)
+        subs[sub][name] = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+
+    if experts and "router" in subs["mlp"]:
+        mlp_p = subs["mlp"]
+        routed = [n for n in moe_ops.EXPERT_LEAVES if isinstance(mlp_p[n], jax.Array) and mlp_p[n].dtype == dtype]
+        for name in routed:
+            w = mlp_p[name]
+            stacks["mlp", name] = (ExpertStack, w.reshape(-1, *w.shape[lead:]))
+            mlp_p[name] = jnp.arange(stacks["mlp", name][1].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+        shared = [mlp_p.get(n) for n in SHARED_LEAVES]  # present in the fused decode params (`fuse_gate_up`)
+        if (len(routed) == len(moe_ops.EXPERT_LEAVES)
+                and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
+                and moe_ops.shared_fits(*stacks["mlp", "gate_proj"][1].shape[-2:], shared[1].shape[-2])):
+            for name in SHARED_LEAVES:  # one expert per layer: [L, 1, C, O]
+                take("mlp", name, ExpertStack, True)
+    if linears:
+        for sub, names in LINEAR_LEAVES.items():
+            for name in names:
+                if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype):
+                    take(sub, name, WeightStack, False)
+    return {**t, **subs}, stacks
 
 
-def _join_expert_stacks(p: Params, stacks: dict[str, jax.Array]) -> Params:
-    """One layer's params with its expert-index leaves turned back into `ExpertStack`s."""
+def _join_stacks(p: Params, stacks: Stacks) -> Params:
+    """One layer's params with its index leaves turned back into views of their stacks."""
     if not stacks:
         return p
-    return {**p, "mlp": {**p["mlp"], **{n: ExpertStack(s, p["mlp"][n]) for n, s in stacks.items()}}}
+    subs = {sub: dict(p[sub]) for sub in {sub for sub, _ in stacks}}
+    for (sub, name), (cls, stack) in stacks.items():
+        subs[sub][name] = cls(stack, subs[sub][name])
+    return {**p, **subs}
 
 
 def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
@@ -177,17 +209,19 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         cfg.moe_intermediate_size)
     loop = unroll and caches is None
     latent_views = unroll and caches is not None and cfg.pallas_decode("mla") and not multi_device(context_mesh())
+    linear_views = (unroll and caches is not None and x.shape[0] * x.shape[1] == 1 and cfg.pallas_decode("proj")
+                    and not multi_device(context_mesh()))
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]
         first = seg.first_layer
         if seg.kind == "run":
-            sp, stacks = _split_expert_stacks(sp, 1, x.dtype) if views else (sp, {})
+            sp, stacks = _split_stacks(sp, 1, x.dtype, views, linear_views)
             cs, latent = _split_latent(cs) if latent_views and seg.mixer == "mla" else (cs, None)
 
             def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks, latent=latent):
                 p, lim, c = xs
-                return layer_fn(_join_expert_stacks(p, stacks), x, lim, _join_latent(c, latent), mixer, ffn)
+                return layer_fn(_join_stacks(p, stacks), x, lim, _join_latent(c, latent), mixer, ffn)
 
             x, ys = _layers(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
                             unroll, loop)
@@ -195,12 +229,12 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             continue
         g = seg.kda_per_group + 1
         base = first + g * np.arange(seg.length)
-        sp_kda, stacks_kda = _split_expert_stacks(sp.get("kda"), 2, x.dtype) if views else (sp.get("kda"), {})
-        sp_mla, stacks_mla = _split_expert_stacks(sp["mla"], 1, x.dtype) if views else (sp["mla"], {})
+        sp_kda, stacks_kda = _split_stacks(sp.get("kda"), 2, x.dtype, views, linear_views)
+        sp_mla, stacks_mla = _split_stacks(sp["mla"], 1, x.dtype, views, linear_views)
 
         def kda_body(x, xs, stacks=stacks_kda):
             p, lim, c = xs
-            return layer_fn(_join_expert_stacks(p, stacks), x, lim, c, "kda", "moe")
+            return layer_fn(_join_stacks(p, stacks), x, lim, c, "kda", "moe")
 
         cs_mla, latent = None if cs is None else cs["mla"], None
         if latent_views:
@@ -211,7 +245,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
             ys_k = None
             if g > 1:
                 x, ys_k = _layers(kda_body, x, (pk, lk, ck), unroll, loop)
-            x, y_m = layer_fn(_join_expert_stacks(pm, stacks), x, lm, _join_latent(cm, latent), "mla", "moe")
+            x, y_m = layer_fn(_join_stacks(pm, stacks), x, lm, _join_latent(cm, latent), "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
         xs = (sp_kda, sp_mla, _limits(cfg, base[:, None] + np.arange(g - 1)[None]),

@@ -17,7 +17,9 @@ from ling_jax.generate import decode_loop, decode_step, fuse_for_decode, generat
 from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.model import LINEAR_LEAVES
 from ling_jax.ops.attention import attention_mask
+from ling_jax.ops.layer_gemv import stackable
 from ling_jax.params import get_path, init_params, layer_params, layer_stacks
 
 _step = jax.jit(decode_step, static_argnums=(0, 4))
@@ -307,3 +309,42 @@ def test_long_prompt_bucket_larger_than_the_cache(golden_a):
     out = generate(cfg, params, [prompt], max_new_tokens=4, stop_tokens=())[0]
     want = int(jnp.argmax(ling_jax.forward(cfg, params, jnp.asarray([prompt]))[0, -1]))
     assert out[0] == want and len(out) == 4
+
+
+def test_batch1_projections_read_from_their_stacks(monkeypatch):
+    """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
+    MLA q_a/q_b/kv_a/g/dense, the dense MLP) through the gemv kernel on its whole segment stack
+    (`ops.layer_gemv`) and gives the XLA step's logits and caches; at batch 2 it does not."""
+    from ling_jax.ops import expert_gemv
+
+    cfg = LingConfig.preset("debug", num_hidden_layers=6)
+    params = init_params(cfg, seed=9)
+    fused = fuse_for_decode(cfg, params)
+    pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gather")
+    real = expert_gemv.gathered_products
+    calls = []
+    monkeypatch.setattr(expert_gemv, "gathered_products", lambda *a, **k: calls.append(a[2][0].shape) or real(*a, **k))
+    for b in (1, 2):
+        prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
+        cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
+        tok = jnp.arange(3, 3 + b, dtype=jnp.int32)
+        c_want, want = _step(cfg, params, cache, tok, True)
+        calls.clear()
+        c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
+        assert rel_l2(got, want) < 1e-5
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                             rtol=1e-4, atol=1e-5), c_got, c_want)
+        if b == 2:
+            assert not calls
+            continue
+        want_shapes = set()  # every stackable projection of the decode params, by [C, O] and stack size
+        for seg, sp in zip(cfg.segments, fused["segments"], strict=True):
+            parts = [(sp, 1)] if seg.kind == "run" else [(sp["kda"], 2), (sp["mla"], 1)]
+            for tree, lead in parts:
+                for sub, names in LINEAR_LEAVES.items():
+                    for name in names:
+                        w = tree[sub].get(name)
+                        if stackable(w, lead, params["embed"].dtype):
+                            want_shapes.add((int(np.prod(w.shape[:lead])), *w.shape[lead:]))
+        assert {(cfg.kda_dim, cfg.hidden_size), (cfg.hidden_size, cfg.hidden_size)} & {s[1:] for s in want_shapes}
+        assert set(calls) == want_shapes  # whole segment stacks (the group's KDA layers: a stack of 2)

@@ -23,6 +23,7 @@ from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
+from ling_jax.ops.layer_gemv import linear
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -109,10 +110,9 @@ def _decode_step(q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: ja
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
-    dt = x.dtype
     if f"{name}_proj" in p:
-        return x @ p[f"{name}_proj"].astype(dt)
-    return (x @ p[f"{name}_a_proj"].astype(dt)) @ p[f"{name}_b_proj"].astype(dt)
+        return linear(x, p[f"{name}_proj"])
+    return linear(linear(x, p[f"{name}_a_proj"]), p[f"{name}_b_proj"])
 
 
 FUSED_INPUT = "x_proj"  # the decode params' projections of the normed input side by side (`fuse_input_projections`)
@@ -140,14 +140,13 @@ def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
 def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:
     """(qkv [B, T, 3P], gate input f [B, T, HK], output gate z [B, T, HV], beta logits [B, T, H])
     from the fused input projection (`fuse_input_projections`)."""
-    dt = x_BTD.dtype
     widths = [p[n].shape[-1] for n in _input_projections(p)]
-    y = x_BTD @ p[FUSED_INPUT].astype(dt)
+    y = linear(x_BTD, p[FUSED_INPUT])
     q, k, v, f, z, b = (y[..., e - w:e] for e, w in zip(np.cumsum(widths), widths, strict=True))
     if "f_proj" not in p:
-        f = f @ p["f_b_proj"].astype(dt)
+        f = linear(f, p["f_b_proj"])
     if "g_proj" not in p:
-        z = z @ p["g_b_proj"].astype(dt)
+        z = linear(z, p["g_b_proj"])
     return jnp.concatenate([q, k, v], axis=-1), f, z, b
 
 
@@ -175,7 +174,7 @@ def kda_mixer(
             # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
             qkv_BT3P = jax.lax.optimization_barrier(qkv_BT3P)
     if not fused:
-        f_BTX, z_BTX, b_BTH = _proj(x_BTD, p, "f"), _proj(x_BTD, p, "g"), x_BTD @ p["b_proj"].astype(dt)
+        f_BTX, z_BTX, b_BTH = _proj(x_BTD, p, "f"), _proj(x_BTD, p, "g"), linear(x_BTD, p["b_proj"])
     if valid_BT is not None:
         qkv_BT3P = jnp.where(valid_BT[..., None], qkv_BT3P, 0)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
@@ -209,5 +208,5 @@ def kda_mixer(
                 cfg=cfg, scale=dh**-0.5)
     z_BTHV = z_BTX.reshape(b, t, h, dh)
     o_BTHV = gated_rms_norm(o_BTHV, z_BTHV, p["o_norm"], cfg.rms_norm_eps)
-    out_BTD = o_BTHV.reshape(b, t, pw) @ p["o_proj"].astype(dt)
+    out_BTD = linear(o_BTHV.reshape(b, t, pw), p["o_proj"])
     return out_BTD, {"state": state, "conv": conv_state}

@@ -20,6 +20,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
+from ling_jax.ops.layer_gemv import linear
 from ling_jax.ops.mla_decode import LatentStack, latent_attention
 from ling_jax.sharding import per_shard
 
@@ -28,18 +29,17 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor def
 
 def mla_query(p: dict[str, Any], x_BTD: jax.Array, cfg: LingConfig) -> jax.Array:
     """[B, T, H, qk_head_dim] query (nope dims first, rope dims last), before RoPE."""
-    dt = x_BTD.dtype
     if "q_proj" in p:
-        q = x_BTD @ p["q_proj"].astype(dt)
+        q = linear(x_BTD, p["q_proj"])
     else:
-        q = rms_norm(x_BTD @ p["q_a_proj"].astype(dt), p["q_a_norm"], LATENT_NORM_EPS)
-        q = q @ p["q_b_proj"].astype(dt)
+        q = rms_norm(linear(x_BTD, p["q_a_proj"]), p["q_a_norm"], LATENT_NORM_EPS)
+        q = linear(q, p["q_b_proj"])
     return q.reshape(*x_BTD.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
 
 
 def mla_latent(p: dict[str, Any], x_BTD: jax.Array, cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
     """(normed latent c [B, T, r], un-rotated shared rope key [B, T, d_r])."""
-    ckv = x_BTD @ p["kv_a_proj"].astype(x_BTD.dtype)
+    ckv = linear(x_BTD, p["kv_a_proj"])
     c, k_rot = jnp.split(ckv, [cfg.kv_lora_rank], axis=-1)
     return rms_norm(c, p["kv_a_norm"], LATENT_NORM_EPS), k_rot
 
@@ -47,10 +47,9 @@ def mla_latent(p: dict[str, Any], x_BTD: jax.Array, cfg: LingConfig) -> tuple[ja
 def mla_output(p: dict[str, Any], o_BTHV: jax.Array, x_BTD: jax.Array) -> jax.Array:
     """Sigmoid output gate (fp32, cast back) on each head's output, then `dense`: [B, T, D]."""
     b, t, h, dv = o_BTHV.shape
-    dt = x_BTD.dtype
-    gate = jax.nn.sigmoid((x_BTD @ p["g_proj"].astype(dt)).astype(jnp.float32)).astype(dt)
+    gate = jax.nn.sigmoid(linear(x_BTD, p["g_proj"]).astype(jnp.float32)).astype(x_BTD.dtype)
     o_BTHV = o_BTHV * gate.reshape(b, t, h, -1)  # [.., H, 1] head-wise or [.., H, dv] element-wise
-    return o_BTHV.reshape(b, t, h * dv) @ p["dense"].astype(dt)
+    return linear(o_BTHV.reshape(b, t, h * dv), p["dense"])
 
 
 def mla_mixer(

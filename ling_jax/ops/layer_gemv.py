@@ -1,0 +1,54 @@
+"""One-row projections read straight from their layer stacks (the batch-1 decode step).
+
+At batch 1 every projection of a decode step is a vector-matrix product whose whole cost is reading
+the weight. XLA runs each as two launches (a split reduction) at about 1 TB/s on an H200, and a
+custom kernel on a layer's weight sliced from its segment's stack would first copy the slice
+(BENCHMARKS.md, "Decode"). So the unrolled decode step (`model.run_stack`) hands such weights over as
+`WeightStack`s, and `linear` runs them through the routed experts' gemv kernel
+(`ops.expert_gemv.gathered_products`) with the layer as the expert: one launch that reads the layer's
+[C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.ops import expert_gemv
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WeightStack:
+    """One layer's projection [C, O], left inside its segment's stack [L, C, O]."""
+
+    stack: jax.Array  # [L, C, O]
+    layer: jax.Array  # int32 scalar, this layer's index in the stack
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+
+def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
+    """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `linear` as a
+    `WeightStack`: a dense array of [C, O] matrices in the compute `dtype` that the kernel tiles."""
+    return (isinstance(w, jax.Array) and w.ndim == lead + 2 and w.dtype == dtype
+            and expert_gemv.supported(*w.shape[-2:]))
+
+
+def linear(x: jax.Array, w: jax.Array | WeightStack) -> jax.Array:
+    """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` runs the gemv
+    kernel over the rows of x, each reading the whole [C, O]: meant for one row (the batch-1
+    decode step, where `model.run_stack` makes them); an array runs XLA's product."""
+    if not isinstance(w, WeightStack):
+        return x @ w.astype(x.dtype)
+    c, o = w.shape
+    if x.shape[-1] != c:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
+    rows_RC = x.reshape(-1, c)
+    idx_R = jnp.broadcast_to(w.layer.astype(jnp.int32), (rows_RC.shape[0],))
+    (y_RO,) = expert_gemv.gathered_products(rows_RC, idx_R, (w.stack,))
+    return y_RO.astype(x.dtype).reshape(*x.shape[:-1], o)
