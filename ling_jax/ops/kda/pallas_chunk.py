@@ -17,17 +17,17 @@ Overflow (ARCHITECTURE.md §6 item 7): exp(G_i - G_j) is never formed as exp(G_i
 whole chunk. Rows are grouped into sub-chunks of 16 with reference r_a = G at the sub-chunk's first
 row; rows i of sub-chunk a pair with every column j <= i through exp(G_i - r_a) <= 1 and
 exp(r_a - G_j), which is <= 1 for earlier sub-chunks and <= exp(15 * 5) inside sub-chunk a for the
-safe gate (g >= -5). The pairwise forms are kept as 16 x 16 blocks [a, b] of the [C, C] matrices
-(b <= a: the rest are zero), each a [16, bk] x [bk, 16] product, and the triangular inverse is found
-block by block (`block_inverse`).
+safe gate (g >= -5). The pairwise products are then [16, bk] x [bk, C] matmuls per sub-chunk, and
+the triangular inverse is a short product of [C, C] doubling factors (`solve`).
 
 The chunk-parallel kernels loop over blocks of `Cfg.bk` key columns (everything except the L2 norms
-is per key channel), so a program holds [16, bk] tiles per sub-chunk and one copy of the loop body.
+is per key channel), so a program holds [C, bk] tiles and one copy of the loop body.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +203,25 @@ def row(x: jax.Array, i: int) -> jax.Array:
     return jnp.sum(jnp.where(iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
 
 
+def split_rows(cfg: Cfg, x: jax.Array, n: int) -> list[jax.Array]:
+    if cfg.backend == "triton":
+        return list(jnp.split(x, n, axis=0))
+    s = x.shape[0] // n
+    return [x[i * s:(i + 1) * s] for i in range(n)]
+
+
+def stack_rows(blocks: Sequence[jax.Array]) -> jax.Array:
+    """[s, N] blocks -> [n s, N] (tile + select: Triton has no general concatenate)."""
+    n = len(blocks)
+    s, cols = blocks[0].shape
+    rb = iota((n * s, cols), 0) // s
+    out = None
+    for i, blk in enumerate(blocks):
+        t = jnp.broadcast_to(blk[None], (n, s, cols)).reshape(n * s, cols)
+        out = t if out is None else jnp.where(rb == i, t, out)
+    return out
+
+
 def cumsum_rows(cfg: Cfg, x: jax.Array) -> jax.Array:
     """Inclusive cumulative sum over rows, exact in float32."""
     if cfg.backend == "triton":
@@ -240,10 +259,9 @@ class Prep:
     valid: jax.Array | None  # [C, 1] bool, rows before t_valid (None when T is a chunk multiple)
 
 
-def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, row0: int = 0) -> Prep:
-    """The fused gate of one block of key columns (ARCHITECTURE.md §2.4 step 7), all in float32, for
-    the chunk's rows [row0, row0 + rows); q and k are returned raw (the L2 norm needs every column:
-    `inv_norms`)."""
+def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias) -> Prep:
+    """The fused gate of one block of key columns (ARCHITECTURE.md §2.4 step 7), all in float32;
+    q and k are returned raw (the L2 norm needs every column: `inv_norms`)."""
     c = cfg.chunk
     x = g_raw.astype(F32)
     dg_dx = dg_da = None
@@ -264,36 +282,90 @@ def prep(cfg: Cfg, chunk_idx, q_raw, k_raw, g_raw, beta, a_log, dt_bias, row0: i
             dg_da = g
     valid = None
     if cfg.padded:
-        valid = (chunk_idx * c + row0 + iota((x.shape[0], 1), 0)) < cfg.t_valid
+        valid = (chunk_idx * c + iota((c, 1), 0)) < cfg.t_valid
         g = jnp.where(valid, g, 0.0)
     return Prep(q_raw.astype(F32), k_raw.astype(F32), g, dg_dx, dg_da, beta.astype(F32), valid)
 
 
-def block_inverse(cfg: Cfg, a: dict[tuple[int, int], jax.Array], n: int) -> dict[tuple[int, int], jax.Array]:
-    """The blocks of M = (I + A)^-1 for A = diag(beta) At, strictly lower triangular, given as its
-    16 x 16 blocks a[i, j] (j <= i) of n x n: float32 blocks M[i, j], j <= i (the rest are zero).
+@dataclasses.dataclass
+class Decay:
+    """The in-chunk decays of one block of key columns, sub-chunk factorised (module docstring).
 
-    The diagonal blocks are inverted by doubling (each block is nilpotent of order 16:
-    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8)); the off-diagonal ones follow by block forward
-    substitution, M[i, j] = -M[i, i] sum_{l=j}^{i-1} A[i, l] M[l, j] - 16 x 16 products only, the
-    longest dependency chain ~n + 6 products (the [C, C] doubling of earlier versions chained ten
-    [C, C] products)."""
-    eye = (iota((BC, BC), 0) == iota((BC, BC), 1)).astype(F32)
-    m: dict[tuple[int, int], jax.Array] = {}
-    for i in range(n):
-        x = -a[i, i]
-        dinv = eye + x
-        for _ in range(3):
-            x = mm(cfg, x, x, "solve")
-            dinv = dinv + mm(cfg, dinv, x, "solve")
-        m[i, i] = dinv
-    for i in range(1, n):
-        for j in range(i - 1, -1, -1):
-            acc = mm(cfg, a[i, j], m[j, j], "solve")
-            for l_ in range(j + 1, i):
-                acc = acc + mm(cfg, a[i, l_], m[l_, j], "solve")
-            m[i, j] = -mm(cfg, m[i, i], acc, "solve")
-    return m
+    Rows of a pairwise form (row i, columns j <= i) use the reference at the first row of i's
+    sub-chunk, columns (the backward's transposed forms) the one at the last row of j's sub-chunk:
+    then the factor applied after the product is <= 1, and the in-product factor underflows only
+    where the term it stands for is negligible."""
+
+    G: jax.Array  # [C, bk] in-chunk cumulative log decay
+    G_last: jax.Array  # [1, bk]
+    r: list[jax.Array]  # r_a = G at the first row of sub-chunk a, [1, bk] each
+    E: jax.Array  # [C, bk] exp(G - r_a(row)) <= 1
+    s: list[jax.Array] | None  # s_b = G at the last row of sub-chunk b (columns only)
+    Fs: jax.Array | None  # [C, bk] exp(s_b(row) - G) <= 1
+
+
+def decay(cfg: Cfg, g: jax.Array, columns: bool = False) -> Decay:
+    """`Decay` of the log decay block g [C, bk]; `columns`: also the column references."""
+    c, n = cfg.chunk, cfg.chunk // BC
+    G = cumsum_rows(cfg, g)
+    block = iota(G.shape, 0) // BC
+
+    def per_block(refs: list[jax.Array]) -> jax.Array:
+        out = refs[0]
+        for a in range(1, n):
+            out = jnp.where(block == a, refs[a], out)
+        return out
+
+    r = [row(G, a * BC) for a in range(n)]
+    E = jnp.exp(G - per_block(r))
+    s = Fs = None
+    if columns:
+        s = [row(G, a * BC + BC - 1) for a in range(n)]
+        Fs = jnp.exp(per_block(s) - G)
+    return Decay(G, row(G, c - 1), r, E, s, Fs)
+
+
+def right_factor(d: Decay, a: int) -> jax.Array:
+    """exp(r_a - G) [C, bk]: <= 1 on rows before sub-chunk a, <= exp(-15 g_min) inside it (exp(75)
+    for the safe gate); rows after it (always masked out by the caller) are capped so that a product
+    with zero stays zero."""
+    return jnp.exp(jnp.minimum(d.r[a] - d.G, EXP_CAP))
+
+
+def left_factor(d: Decay, b: int) -> jax.Array:
+    """exp(G - s_b) [C, bk]: <= 1 on rows after sub-chunk b, <= exp(-15 g_min) inside it; rows before
+    it (masked out by the caller) capped like `right_factor`."""
+    return jnp.exp(jnp.minimum(d.G - d.s[b], EXP_CAP))
+
+
+def solve(cfg: Cfg, at: jax.Array, beta: jax.Array) -> jax.Array:
+    """M = (I + diag(beta) At)^-1 [C, C] (unit lower triangular), float32, in [C, C] products.
+
+    With A = diag(beta) At split into its 16 x 16 diagonal blocks D and the rest L:
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8) (each block is nilpotent of order 16), and
+    I + A = (I + D)(I + N) with N = (I + D)^-1 L strictly block-lower, so N^(C/16) = 0 and
+    M = (I - N)(I + N^2)(I + N^4)... (I + D)^-1.
+    """
+    c = cfg.chunk
+    ri, ci = iota((c, c), 0), iota((c, c), 1)
+    eye = (ri == ci).astype(F32)
+    A = beta * at
+    diag = (ri // BC) == (ci // BC)
+    x = -jnp.where(diag, A, 0.0)
+    dinv = eye + x
+    for _ in range(3):
+        x = mm(cfg, x, x, "solve")
+        dinv = dinv + mm(cfg, dinv, x, "solve")
+    if c == BC:
+        return dinv
+    n_pow = mm(cfg, dinv, jnp.where(diag, 0.0, A), "solve")  # N
+    inv = eye - n_pow
+    e = 2
+    while e < c // BC:
+        n_pow = mm(cfg, n_pow, n_pow, "solve")  # N^e
+        inv = inv + mm(cfg, inv, n_pow, "solve")
+        e *= 2
+    return mm(cfg, inv, dinv, "solve")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,40 +394,30 @@ def _masks(cfg: Cfg, ins) -> tuple[jax.Array | None, jax.Array | None, jax.Array
     return tuple(r[...].astype(F32) for r in ins[6:9])
 
 
-def block_prep(cfg: Cfg, ins, ci, cols, rq: jax.Array | None, rk: jax.Array | None,
-               rows: slice = slice(None)) -> Prep:
-    """`prep` of one block of key columns (and `rows`, a static slice) of chunk `ci` (read outside any
-    loop: the interpreter cannot discharge a program id inside one); q and k scaled by the inverse
-    norms when given."""
+def block_prep(cfg: Cfg, ins, ci, cols, rq: jax.Array | None, rk: jax.Array | None) -> Prep:
+    """`prep` of one block of key columns of chunk `ci` (read outside any loop: the interpreter
+    cannot discharge a program id inside one); q and k scaled by the inverse norms when given."""
     q_ref, k_ref, g_ref, beta_ref, alog_ref, dt_ref = ins[:6]
-    p = prep(cfg, ci, q_ref[rows, cols], k_ref[rows, cols], g_ref[rows, cols], beta_ref[rows, :],
-             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[:, cols],
-             row0=rows.start or 0)
+    p = prep(cfg, ci, q_ref[:, cols], k_ref[:, cols], g_ref[:, cols], beta_ref[...],
+             None if alog_ref is None else alog_ref[...], None if dt_ref is None else dt_ref[:, cols])
     if rq is None:
         return p
     return dataclasses.replace(p, q=p.q * rq, k=p.k * rk)
 
 
-def inv_norms(cfg: Cfg, ins, parts: int = 1) -> tuple[list[jax.Array], list[jax.Array]]:
-    """1 / ||q||, 1 / ||k|| of the chunk's rows, summed over blocks of key columns, as `parts` row
-    blocks of [C / parts, 1] each."""
+def inv_norms(cfg: Cfg, ins) -> tuple[jax.Array, jax.Array]:
+    """1 / ||q||, 1 / ||k|| [C, 1] of the chunk's rows, summed over blocks of key columns."""
     q_ref, k_ref = ins[:2]
-    r = cfg.chunk // parts
-    blocks = [slice(a * r, (a + 1) * r) for a in range(parts)]
-    zero = jnp.zeros((r, 1), F32)
+    zero = jnp.zeros((cfg.chunk, 1), F32)
 
     def step(cols, carry):
-        sq, sk = carry
-        out_q, out_k = [], []
-        for a, rows in enumerate(blocks):
-            q = q_ref[rows, cols].astype(F32)
-            k = k_ref[rows, cols].astype(F32)
-            out_q.append(sq[a] + jnp.sum(q * q, axis=1, keepdims=True))
-            out_k.append(sk[a] + jnp.sum(k * k, axis=1, keepdims=True))
-        return out_q, out_k
+        q = q_ref[:, cols].astype(F32)
+        k = k_ref[:, cols].astype(F32)
+        return (carry[0] + jnp.sum(q * q, axis=1, keepdims=True),
+                carry[1] + jnp.sum(k * k, axis=1, keepdims=True))
 
-    sq, sk = kloop(cfg, cfg.dk, cfg.bk, step, ([zero] * parts, [zero] * parts))
-    return [lax.rsqrt(x + 1e-6) for x in sq], [lax.rsqrt(x + 1e-6) for x in sk]
+    sq, sk = kloop(cfg, cfg.dk, cfg.bk, step, (zero, zero))
+    return lax.rsqrt(sq + 1e-6), lax.rsqrt(sk + 1e-6)
 
 
 def _chunk_index(cfg: Cfg | None = None):
@@ -370,89 +432,70 @@ def pl_program_id(axis: int):
     return pl.program_id(axis)
 
 
-def block_pairs(cfg: Cfg, ins) -> tuple[dict, dict]:
-    """At and Aqk of one chunk as 16 x 16 blocks [i, j], j <= i (the strictly upper blocks are zero),
-    float32, unmasked and unscaled, of the L2-normalised q and k; accumulated over blocks of `cfg.bk`
-    key columns.
+@dataclasses.dataclass
+class Pairs:
+    """The pairwise products of one chunk, [C, C]: At (strictly lower, k on both sides) and Aqk
+    (lower, q on the left; unscaled; None unless asked for) of the L2-normalised q and k, masked
+    (same segment)."""
 
-    Each key block loads the [16, bk] tiles of q, k and the gate input of every sub-chunk, computes
-    the gate and its in-chunk cumulative sum G for those channels, and adds its share of every block
-    as a [16, bk] x [bk, 16] product: rows i of sub-chunk a carry exp(G_i - r_a) <= 1 (r_a: G at the
-    sub-chunk's first row), columns j of an earlier sub-chunk b exp(r_a - G_j) <= 1, and columns of
-    sub-chunk a itself exp(r_a - G_j) <= exp(EXP_RANGE) (safe gate). Normalising before the products
-    keeps every term below exp(EXP_CAP), whatever the inputs' magnitude."""
-    n = cfg.chunk // BC
+    at: jax.Array
+    aqk: jax.Array | None
+
+
+def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
+    """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
+
+    A first loop sums the squares of q and k for the L2 norms (they need every column); the second
+    loads a [C, bk] column block of q, k and the gate input, computes the gate and its in-chunk
+    cumulative sum for those channels (both are per channel), and adds the block's share of every
+    pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
+    (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
+    keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
+    n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index()
-    rows = [slice(a * BC, (a + 1) * BC) for a in range(n)]
-    rq, rk = inv_norms(cfg, ins, n) if cfg.l2norm else ([None] * n, [None] * n)
-    pairs = [(a, b) for a in range(n) for b in range(a + 1)]
-    zero = jnp.zeros((BC, BC), F32)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
+    zero_rows = [jnp.zeros((BC, c), F32)] * n
 
     def step(cols, carry):
         at, aqk = carry
-        ps, gs = [], []
-        g_prev = None
-        for a in range(n):
-            p = block_prep(cfg, ins, ci, cols, rq[a], rk[a], rows[a])
-            G = cumsum_rows(cfg, p.g)
-            G = G if g_prev is None else G + g_prev
-            g_prev = row(G, BC - 1)
-            ps.append(p)
-            gs.append(G)
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
+        d = decay(cfg, p.g)
+        ke = split_rows(cfg, p.k * d.E, n)
+        qe = split_rows(cfg, p.q * d.E, n) if with_aqk else None
         at_new, aqk_new = [], []
         for a in range(n):
-            r_a = row(gs[a], 0)
-            e_a = jnp.exp(gs[a] - r_a)
-            ke, qe = ps[a].k * e_a, ps[a].q * e_a
-            for b in range(a + 1):
-                fac = jnp.exp(jnp.minimum(r_a - gs[b], EXP_CAP)) if b == a else jnp.exp(r_a - gs[b])
-                rhs = ps[b].k * fac
-                at_new.append(at[len(at_new)] + mm_nt(cfg, ke, rhs, "mid"))
-                aqk_new.append(aqk[len(aqk_new)] + mm_nt(cfg, qe, rhs, "mid"))
+            rhs = p.k * right_factor(d, a)
+            at_new.append(at[a] + mm_nt(cfg, ke[a], rhs, "mid"))
+            if with_aqk:
+                aqk_new.append(aqk[a] + mm_nt(cfg, qe[a], rhs, "mid"))
         return at_new, aqk_new
 
-    at, aqk = kloop(cfg, cfg.dk, cfg.bk, step, ([zero] * len(pairs), [zero] * len(pairs)))
-    return dict(zip(pairs, at, strict=True)), dict(zip(pairs, aqk, strict=True))
+    at, aqk = kloop(cfg, cfg.dk, cfg.bk, step, (zero_rows, zero_rows if with_aqk else []))
+    ri, cj = iota((c, c), 0), iota((c, c), 1)
+    keep = ri >= cj
+    if seg is not None:
+        keep = keep & (seg == col_to_row(seg))
+    at = jnp.where(keep & (ri != cj), stack_rows(at), 0.0)
+    aqk = jnp.where(keep, stack_rows(aqk), 0.0) if with_aqk else None
+    return Pairs(at, aqk)
 
 
 def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
     """Chunk-parallel forward, part 1, one (batch, head, chunk) per program: the [C, C] level.
 
     Reads q, k, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the L2
-    norms, the in-chunk cumulative decay, At and Aqk by 16 x 16 blocks (`block_pairs`), masks them
-    (causal, same segment) and inverts M = (I + diag(beta) At)^-1 block by block (`block_inverse`);
-    writes Aqk (compute dtype), M (float32) and, for the backward, At (float32), [C, C] each.
+    norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`) and the triangular inverse M
+    (`solve`); writes Aqk (compute dtype), M (float32) and, for the backward, At (float32).
     The [C, C] products live in their own launch: their registers would otherwise limit the
     [C, K]-level kernel below to two 4-warp programs per SM.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
     aqk_ref, m_ref = refs[i:i + 2]
-    at_ref = refs[i + 2] if store_at else None
-    n = cfg.chunk // BC
-    seg = _masks(cfg, ins)[2]
-    rows = [slice(a * BC, (a + 1) * BC) for a in range(n)]
-    at, aqk = block_pairs(cfg, ins)
-    lower = iota((BC, BC), 0) > iota((BC, BC), 1)
-    a_blk = {}
-    for (a, b), x in at.items():
-        keep = lower if a == b else None
-        if seg is not None:
-            same = seg[rows[a]] == col_to_row(seg[rows[b]])
-            keep = same if keep is None else keep & same
-        at[a, b] = x if keep is None else jnp.where(keep, x, 0.0)
-        if keep is not None:
-            keep = keep | (iota((BC, BC), 0) == iota((BC, BC), 1)) if a == b else keep
-            aqk[a, b] = jnp.where(keep, aqk[a, b], 0.0)
-        a_blk[a, b] = ins[3][rows[a], :].astype(F32) * at[a, b]
-    m = block_inverse(cfg, a_blk, n)
-    zero = jnp.zeros((BC, BC), F32)
-    for a in range(n):
-        for b in range(n):
-            blk = (rows[a], rows[b])
-            m_ref[blk] = m.get((a, b), zero)
-            aqk_ref[blk] = (cfg.scale * aqk.get((a, b), zero)).astype(aqk_ref.dtype)
-            if at_ref is not None:
-                at_ref[blk] = at.get((a, b), zero)
+    pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True)
+    m_ref[...] = solve(cfg, pr.at, ins[3][...].astype(F32))
+    aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
+    if store_at:
+        refs[i + 2][...] = pr.at
 
 
 def fwd_wu_kernel(cfg: Cfg, *refs):
@@ -468,7 +511,7 @@ def fwd_wu_kernel(cfg: Cfg, *refs):
     w_ref, u_ref, qg_ref, kg_ref, gam_ref = refs[i + 2:i + 7]
     c = cfg.chunk
     m, e, _ = _masks(cfg, ins)
-    rq, rk = (x[0] for x in inv_norms(cfg, ins)) if cfg.l2norm else (None, None)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     beta = ins[3][...].astype(F32)
     coef = beta if m is None else beta * m
     ci = _chunk_index()
@@ -543,11 +586,11 @@ def bwd_intra_kernel(cfg: Cfg, *refs):
     dbeta_ref[...] = dbeta
 
 
-def _bwd_norms(cfg: Cfg, refs: list, i: int) -> tuple[object | None, object | None, int]:
-    """The refs of the backward kernels' 1 / ||q||, 1 / ||k|| [C, 1] inputs (computed once, in XLA)."""
+def _bwd_norms(cfg: Cfg, refs: list, i: int) -> tuple[jax.Array | None, jax.Array | None, int]:
+    """The backward kernels' 1 / ||q||, 1 / ||k|| [C, 1] inputs (computed once, in XLA)."""
     if not cfg.l2norm:
         return None, None, i
-    return refs[i], refs[i + 1], i + 2
+    return refs[i][...], refs[i + 1][...], i + 2
 
 
 def bwd_dqkg_kernel(cfg: Cfg, *refs):
@@ -562,8 +605,7 @@ def bwd_dqkg_kernel(cfg: Cfg, *refs):
     """
     refs = list(refs)
     ins, i = _unpack_inputs(cfg, refs)
-    rq_ref, rk_ref, i = _bwd_norms(cfg, refs, i)
-    rq, rk = (None, None) if rq_ref is None else (rq_ref[...], rk_ref[...])
+    rq, rk, i = _bwd_norms(cfg, refs, i)
     do_ref, vn_ref, dvn_ref, h_ref, dh_ref, m2_ref = refs[i:i + 6]
     dqp_ref, dkp_ref, dGp_ref, dbeta_ref = refs[i + 6:i + 10]
     c, bk = cfg.chunk, cfg.bk_kv
@@ -608,81 +650,52 @@ def bwd_pairs_kernel(cfg: Cfg, *refs):
     sums for a_log / dt_bias.
 
     The pairwise exp(G_i - G_j) forms of X (Aqk, q on the left) and Y (At, k on the left), the
-    masked [C, C] gradients from part 1, by 16 x 16 blocks [a, b] (b <= a; the others are zero) as
-    in `block_pairs`: by rows of sub-chunk a, X[a, b] times k_b exp(r_a - G_b), scaled by
-    exp(G_a - r_a) afterwards; by columns of sub-chunk b, X[a, b]^T times q_a exp(G_a - s_b), scaled
-    by exp(s_b - G_b) (s_b: G at b's last row). Every factor is <= 1 off the diagonal blocks and
-    <= exp(EXP_RANGE) on them. The sums are added to part 2's partial gradients. With the L2 norm,
-    dq/dk are written as rq * dq_hat (float32) and `pallas._core_bwd` finishes the norm's backward
-    (its per-row sums span every key block).
+    masked [C, C] gradients from part 1, sub-chunk factorised - by rows of sub-chunk a (X_a: [16, C]
+    times k exp(r_a - G)) and by columns of sub-chunk b (X_:b^T: [16, C] times q exp(G - s_b)) - are
+    added to part 2's partial gradients. With the L2 norm, dq/dk are written as rq * dq_hat (float32)
+    and `pallas._core_bwd` finishes the norm's backward (its per-row sums span every key block).
     """
     refs = list(refs)
     ins, i = _unpack_inputs(cfg, refs)
-    rq_ref, rk_ref, i = _bwd_norms(cfg, refs, i)
+    rq, rk, i = _bwd_norms(cfg, refs, i)
     x_ref, y_ref, dqp_ref, dkp_ref, dGp_ref = refs[i:i + 5]
     outs = refs[i + 5:]
     dq_ref, dk_ref, dg_ref = outs[:3]
     n = cfg.chunk // BC
-    ci = _chunk_index(cfg)
-    rows = [slice(a * BC, (a + 1) * BC) for a in range(n)]
-    ps, gs = [], []
+    p = block_prep(cfg, ins, _chunk_index(cfg), slice(None), rq, rk)
+    d = decay(cfg, p.g, columns=True)
+    qh, kh = p.q, p.k
+    rx, ry, cx, cy = [], [], [], []
     for a in range(n):
-        p = block_prep(cfg, ins, ci, slice(None), None if rq_ref is None else rq_ref[rows[a], :],
-                       None if rk_ref is None else rk_ref[rows[a], :], rows[a])
-        G = cumsum_rows(cfg, p.g)
-        ps.append(p)
-        gs.append(G if a == 0 else G + row(gs[-1], BC - 1))
-    first = [row(G, 0) for G in gs]
-    last = [row(G, BC - 1) for G in gs]
-
-    def fac(x: jax.Array, diag: bool) -> jax.Array:
-        return jnp.exp(jnp.minimum(x, EXP_CAP)) if diag else jnp.exp(x)
-
-    dgs = []
-    for a in range(n):
-        p = ps[a]
-        rx = ry = cx = cy = None
-        for b in range(a + 1):  # rows of sub-chunk a: columns j in b <= a
-            rhs = ps[b].k * fac(first[a] - gs[b], b == a)
-            tx, ty = (mm(cfg, r[rows[a], rows[b]], rhs, "mid") for r in (x_ref, y_ref))
-            rx, ry = (tx, ty) if rx is None else (rx + tx, ry + ty)
-        for b in range(a, n):  # columns of sub-chunk a: rows i in b >= a
-            f = fac(gs[b] - last[a], b == a)
-            tx = mm_tn(cfg, x_ref[rows[b], rows[a]], ps[b].q * f, "mid")
-            ty = mm_tn(cfg, y_ref[rows[b], rows[a]], ps[b].k * f, "mid")
-            cx, cy = (tx, ty) if cx is None else (cx + tx, cy + ty)
-        e_row, e_col = jnp.exp(gs[a] - first[a]), jnp.exp(last[a] - gs[a])
-        rx, ry, cx, cy = e_row * rx, e_row * ry, e_col * cx, e_col * cy
-        dqh = dqp_ref[rows[a], :] + rx
-        dkh = dkp_ref[rows[a], :] + ry + cx + cy
-        dgs.append(dGp_ref[rows[a], :] + p.q * rx + p.k * (ry - cx - cy))
-        if cfg.l2norm:
-            dqh, dkh = rq_ref[rows[a], :] * dqh, rk_ref[rows[a], :] * dkh
-        dq_ref[rows[a], :] = dqh.astype(dq_ref.dtype)
-        dk_ref[rows[a], :] = dkh.astype(dk_ref.dtype)
-    tail = None  # sum of dG over the rows after the current sub-chunk
-    sums_a = sums_b = None
-    for a in reversed(range(n)):
-        p = ps[a]
-        dg = revcumsum_rows(cfg, dgs[a])
-        col = jnp.sum(dgs[a], axis=0, keepdims=True)
-        if tail is not None:
-            dg = dg + tail
-            col = col + tail
-        tail = col
-        if p.valid is not None:
-            dg = jnp.where(p.valid, dg, 0.0)
-        if cfg.gate is not None:
-            dgraw = dg * p.dg_dx
-            sa = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
-            sb = jnp.sum(dgraw, axis=0, keepdims=True)
-            sums_a, sums_b = (sa, sb) if sums_a is None else (sums_a + sa, sums_b + sb)
-        else:
-            dgraw = dg
-        dg_ref[rows[a], :] = dgraw.astype(dg_ref.dtype)
+        rhs = kh * right_factor(d, a)
+        rows = slice(a * BC, (a + 1) * BC)
+        rx.append(mm(cfg, x_ref[rows, :], rhs, "mid"))
+        ry.append(mm(cfg, y_ref[rows, :], rhs, "mid"))
+    for b in range(n):
+        fac = left_factor(d, b)
+        cols_b = slice(b * BC, (b + 1) * BC)
+        cx.append(mm_tn(cfg, x_ref[:, cols_b], qh * fac, "mid"))
+        cy.append(mm_tn(cfg, y_ref[:, cols_b], kh * fac, "mid"))
+    RX, RY = d.E * stack_rows(rx), d.E * stack_rows(ry)
+    CX, CY = d.Fs * stack_rows(cx), d.Fs * stack_rows(cy)
+    dqh = dqp_ref[...] + RX
+    dkh = dkp_ref[...] + RY + CX + CY
+    dG = dGp_ref[...] + qh * RX + kh * (RY - CX - CY)
+    dg = revcumsum_rows(cfg, dG)
+    if p.valid is not None:
+        dg = jnp.where(p.valid, dg, 0.0)
     if cfg.gate is not None:
-        outs[3][...] = sums_a
-        outs[4][...] = sums_b
+        pa_ref, pb_ref = outs[3:5]
+        dgraw = dg * p.dg_dx
+        pa_ref[...] = jnp.sum(dg * p.dg_da, axis=0, keepdims=True)
+        pb_ref[...] = jnp.sum(dgraw, axis=0, keepdims=True)
+    else:
+        dgraw = dg
+    if cfg.l2norm:
+        dqh, dkh = rq * dqh, rk * dkh
+    dq_ref[...] = dqh.astype(dq_ref.dtype)
+    dk_ref[...] = dkh.astype(dk_ref.dtype)
+    dg_ref[...] = dgraw.astype(dg_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
