@@ -184,10 +184,11 @@ def per_kernel(args) -> None:
     kd, t = args.dk, args.seq
     interp = jax.default_backend() == "cpu"
     for h in args.heads:
-        cfg = kp.Cfg(backend="triton", interpret=interp, chunk=64, t_valid=t, n_chunks=t // 64, dk=kd, dv=kd,
-                     scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
-                     cd="bfloat16", hd="bfloat16", bv=min(kd, 64), bv_bwd=min(kd, 64), bk=min(kd, 32),
-                     bk_kv=min(kd, 64))
+        tiles = kp.default_tiles("triton", args.chunk, kd, kd)
+        cfg = kp.Cfg(backend="triton", interpret=interp, chunk=args.chunk, t_valid=t, n_chunks=t // args.chunk,
+                     dk=kd, dv=kd, scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
+                     cd="bfloat16", hd="bfloat16", bv=tiles["bv"], bv_bwd=tiles["bv_bwd"], bk=tiles["bk"],
+                     bk_kv=tiles["bk_kv"], **{f"warps_{n}": w for n, w in tiles["warps"].items()})
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
@@ -236,6 +237,14 @@ def per_kernel(args) -> None:
                       (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_pairs, kp, var)), a_bpairs)]
             if warps is not None or stages is not None:  # bwd_intra has no key loop
                 cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
+        for bv in args.block_v:  # the sequential kernels at other value blocks (programs = B x H x V / bv)
+            var = dataclasses.replace(cfg, bv=bv)
+            cases += [(f"fwd_state_bv{bv}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, False)),
+                       (w, u, qg, kg, aqk, gam)),
+                      (f"fwd_state_storing_h_vn_bv{bv}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, True)),
+                       (w, u, qg, kg, aqk, gam)),
+                      (f"bwd_state_bv{bv}", jax.jit(functools.partial(_k_bwd_state, kp, var)),
+                       (qg, w, kg, aqk, gam, do, ht))]
         if args.unfused:  # the gate (then also the L2 norm) computed outside the kernels: what fusing costs
             gd = (-5.0 * jax.nn.sigmoid(g.astype(jnp.float32))).astype(bf)  # a log decay in the kernels' range
             for tag, kw in (("nogate", {"gate": None}), ("nogate_nonorm", {"gate": None, "l2norm": False})):
@@ -278,6 +287,8 @@ def main() -> None:
     ap.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth probe")
     ap.add_argument("--mm", type=int, default=8192, help="size of the matmul probe")
     ap.add_argument("--variants", action="store_true", help="also time kernel-parameter variants")
+    ap.add_argument("--chunk", type=int, default=64, help="--per-kernel: the chunk size")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[], help="also time ours at these chunk sizes")
     ap.add_argument("--fla-worker", action="store_true")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
     ap.add_argument("--block-k", type=int, nargs="*", default=[],
@@ -286,6 +297,8 @@ def main() -> None:
                     default=[None], help="--per-kernel: ... and these warp counts ('default': Cfg's)")
     ap.add_argument("--stages", type=lambda s: None if s == "default" else int(s), nargs="*",
                     default=[None], help="--per-kernel: ... and these pipeline stages ('default': Cfg's)")
+    ap.add_argument("--block-v", type=int, nargs="*", default=[],
+                    help="--per-kernel: also time the sequential kernels at these value blocks")
     ap.add_argument("--unfused", action="store_true",
                     help="--per-kernel: also time the chunk-parallel kernels with the gate (and the L2 norm) outside")
     args = ap.parse_args()
@@ -365,37 +378,45 @@ def main() -> None:
                              initial_state=h0)
 
     # ---- 2. correctness on the GPU -----------------------------------------------------------
-    checks = {}
-    try:
-        if args.no_checks:
-            raise RuntimeError("skipped (--no-checks)")
+    def gpu_checks(kw: dict, tag: str) -> dict:
+        """Ours (with `kw`) against the reference: fp32 forward + every gradient, bf16 forward."""
+        out = {}
         with jax.default_matmul_precision("highest"):
             tc = args.check_seq
             x = inputs(jax.random.PRNGKey(1), 2, tc, 4, args.dk, jnp.float32)
             h0 = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 4, args.dk, args.dk))
             segs = jnp.asarray(np.repeat(np.cumsum(np.isin(np.arange(tc), [5, 64, 300, 301, 777]))[None],
                                          2, 0).astype(np.int32))
-            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=segs))(*x, h0)
+            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=segs, **kw))(*x, h0)
             ro, rht = jax.jit(lambda *a: kimi_delta_attention(*a[:5], initial_state=a[7], impl="reference",
                                                               use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
                                                               segment_ids=segs))(*x, h0)
-            checks["fp32_fwd_o"] = rel(o, ro)
-            checks["fp32_fwd_state"] = rel(ht, rht)
+            out[f"{tag}fp32_fwd_o"] = rel(o, ro)
+            out[f"{tag}fp32_fwd_state"] = rel(ht, rht)
             w = jax.random.normal(jax.random.PRNGKey(3), o.shape)
 
             def loss(fn):
                 return lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1])
 
-            gp = jax.jit(jax.grad(loss(lambda *a: ours(*a)), argnums=tuple(range(8))))(*x, h0)
+            gp = jax.jit(jax.grad(loss(lambda *a: ours(*a, **kw)), argnums=tuple(range(8))))(*x, h0)
             gr = jax.jit(jax.grad(loss(ref), argnums=tuple(range(8))))(*x, h0)
             for name, a, b in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias", "h0"), gp, gr, strict=True):
-                checks[f"fp32_grad_{name}"] = rel(a, b)
+                out[f"{tag}fp32_grad_{name}"] = rel(a, b)
             xb = inputs(jax.random.PRNGKey(4), 1, tc, 4, args.dk, jnp.bfloat16)
-            ob, _ = jax.jit(ours)(*xb)
+            ob, _ = jax.jit(lambda *a: ours(*a, **kw))(*xb)
             rb, _ = jax.jit(ref)(*xb)
-            checks["bf16_fwd_o_vs_fp32_reference"] = rel(ob, rb)
-    except Exception as e:  # keep going: the timings are still worth having
-        checks["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+            out[f"{tag}bf16_fwd_o_vs_fp32_reference"] = rel(ob, rb)
+        return out
+
+    checks = {}
+    for chunk in [None, *args.chunks]:  # the default chunk, then each extra one
+        tag = "" if chunk is None else f"chunk{chunk}_"
+        try:
+            if args.no_checks:
+                raise RuntimeError("skipped (--no-checks)")
+            checks.update(gpu_checks({} if chunk is None else {"chunk_size": chunk}, tag))
+        except Exception as e:  # keep going: the timings are still worth having
+            checks[f"{tag}error"] = f"{type(e).__name__}: {str(e)[:2000]}"
     report["checks_vs_reference"] = checks
     print("checks", json.dumps(checks, indent=1), flush=True)
 
@@ -427,6 +448,7 @@ def main() -> None:
                          ("warps_8", {"num_warps": {"pairs": 8, "wu": 8, "dqkg": 8, "bwd_pairs": 8}}),
                          ("bvb128", {"block_v_bwd": 128}), ("bk64", {"block_k": 64}),
                          ("bk128", {"block_k": 128})]
+    variant_list += [(f"chunk{c}", {"chunk_size": c}) for c in args.chunks]
     inputs_by_h = {}
     for h in args.heads:
         x = inputs(jax.random.PRNGKey(10 + h), 1, args.seq, h, kd, jnp.bfloat16)

@@ -158,11 +158,12 @@ def test_key_blocks_without_fused_gate_and_norm():
         assert rel_l2(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("chunk", [16, pytest.param(128, marks=pytest.mark.heavy)])
-def test_chunk_sizes_forward_and_gradients(chunk):
-    """Chunk 16 (one sub-chunk: the inverse is the block-diagonal product alone) and 128 (eight
+@pytest.mark.parametrize("chunk, dk", [(16, 32), (32, 128), pytest.param(128, 32, marks=pytest.mark.heavy)])
+def test_chunk_sizes_forward_and_gradients(chunk, dk):
+    """Chunk 16 (one sub-chunk: the inverse is the block-diagonal product alone), 32 at K = V = 128
+    (the tiles of chunks <= 32: two 64-wide key blocks, four 32-wide value blocks) and 128 (eight
     sub-chunks: three factors of the block-lower inverse), segments and a partial last chunk."""
-    x = make_inputs(40 + chunk, 1, 150, 2, 32, 32)
+    x = make_inputs(40 + chunk, 1, 150, 2, dk, dk)
     segs = awkward_segments(1, 150)
     o, ht = pallas(*x, segment_ids=segs, chunk_size=chunk)
     ro, rht = reference(*x, segment_ids=segs, chunk_size=chunk)
@@ -379,10 +380,11 @@ def test_bad_tile_settings_are_refused():
         pallas(*x, block_k=16, backend="tpu", interpret=False)
 
 
-@pytest.mark.parametrize("block_k", [None, 128])
-def test_triton_lowering(h200_lowering, block_k):
-    """Default key blocks (32 of K = 128: the `scf.for` loops) and one block."""
-    _export_fwd_and_grad("triton", "cuda", block_k=block_k)
+@pytest.mark.parametrize("kw", [{}, {"block_k": 128}, {"chunk_size": 32}], ids=["default", "one_key_block", "chunk32"])
+def test_triton_lowering(h200_lowering, kw):
+    """Default key blocks (32 of K = 128: the `scf.for` loops), one block, and chunks of 32 (their own
+    tiles, `pallas.default_tiles`: 2-warp [C, C] kernels, 64-wide key blocks, 32-wide value blocks)."""
+    _export_fwd_and_grad("triton", "cuda", **kw)
 
 
 @pytest.mark.parametrize("blocks", [{}, pytest.param({"dk": 256, "block_k": 128, "block_k_kv": 128},

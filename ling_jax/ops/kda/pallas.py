@@ -47,6 +47,21 @@ Cfg = pc.Cfg
 WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 
+def default_tiles(backend: str, chunk: int, dk: int, dv: int) -> dict:
+    """The tile defaults of a call: value blocks `bv` (sequential kernels) and `bv_bwd`, key blocks `bk`
+    (pairwise kernels) and `bk_kv`, and `warps` per kernel group. On GPU they are the fastest of the
+    H200 sweeps at B=1, T=8192, K=V=128 (bench/notes/kda.md): for chunks of 64 and more, 4 warps
+    everywhere, bk 32, 64-wide value blocks; for chunks of 32 and less the [C, C] kernels and
+    bwd_dqkg at 2 warps, bk 64, and 32-wide value blocks for the sequential kernels (whose step count
+    doubles: more, smaller programs keep more of them in flight). TPU: whole key blocks, bv 128."""
+    if backend != "triton":
+        return {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "warps": WARPS}
+    if chunk <= 32:
+        return {"bv": min(dv, 32), "bv_bwd": min(dv, 64), "bk": min(dk, 64), "bk_kv": min(dk, 64),
+                "warps": {**WARPS, "pairs": 2, "dqkg": 2}}
+    return {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64), "warps": WARPS}
+
+
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
                      key_blocks: bool = False):
     if cfg.backend == "triton":
@@ -574,8 +589,8 @@ def kda_pallas(
     `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
     `block_v` / `block_v_bwd` / `block_k` / `block_k_kv`: tile sizes of the kernels (`Cfg.bv`,
-    `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend; `num_warps`: warps per program on GPU
-    by kernel group, overriding `WARPS` (e.g. {"dqkg": 8}).
+    `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend and chunk size (`default_tiles`);
+    `num_warps`: warps per program on GPU by kernel group, overriding the default (e.g. {"dqkg": 8}).
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
@@ -600,13 +615,14 @@ def kda_pallas(
     cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
-    bv = block_v or min(dv, 64 if backend == "triton" else 128)
-    bvb = block_v_bwd or min(dv, 64)
-    warps = {**WARPS, **(num_warps or {})}
+    tiles = default_tiles(backend, c, dk, dv)
+    bv = block_v or tiles["bv"]
+    bvb = block_v_bwd or tiles["bv_bwd"]
+    warps = {**tiles["warps"], **(num_warps or {})}
     if set(warps) != set(WARPS):
         raise ValueError(f"num_warps keys are {sorted(WARPS)}, got {sorted(num_warps or {})}")
-    bk = block_k or min(dk, 32 if backend == "triton" else dk)
-    bk_kv = block_k_kv or min(dk, 64 if backend == "triton" else dk)
+    bk = block_k or tiles["bk"]
+    bk_kv = block_k_kv or tiles["bk_kv"]
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
