@@ -523,21 +523,22 @@ def main() -> None:
             report["fla"] = fr
             for h in args.heads:
                 x, do = inputs_by_h[h]
-                agree = {}
-                if (TMP / f"fla_out_H{h}.npz").exists() and (h, "default") in fns:
-                    fo = np.load(TMP / f"fla_out_H{h}.npz")
-                    o, ht = fns[(h, "default")][0](*x)
-                    agree["o"] = rel(o, fo["o"])
-                    agree["final_state"] = rel(ht, fo["ht"])
-                    grads = fns[(h, "default")][1](*x, do)
-                    for name, gr in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias"), grads, strict=True):
-                        if "d" + name in fo:
-                            agree["d" + name] = rel(gr, fo["d" + name])
-                report[f"agreement_vs_fla_H{h}"] = agree
-                ours_r = results.get(f"H{h}_default", {})
-                if "fwd_ms" in ours_r and f"H{h}" in fr:
-                    ours_r["fwd_ratio_to_fla"] = ours_r["fwd_ms"] / fr[f"H{h}"]["fwd_ms"]
-                    ours_r["fwdbwd_ratio_to_fla"] = ours_r["fwdbwd_ms"] / fr[f"H{h}"]["fwdbwd_ms"]
+                for vname in [v for hh, v in fns if hh == h and v != "chunked"]:  # every variant of ours vs FLA
+                    agree = {}
+                    if (TMP / f"fla_out_H{h}.npz").exists():
+                        fo = np.load(TMP / f"fla_out_H{h}.npz")
+                        o, ht = fns[(h, vname)][0](*x)
+                        agree["o"] = rel(o, fo["o"])
+                        agree["final_state"] = rel(ht, fo["ht"])
+                        grads = fns[(h, vname)][1](*x, do)
+                        for name, gr in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias"), grads, strict=True):
+                            if "d" + name in fo:
+                                agree["d" + name] = rel(gr, fo["d" + name])
+                    report[f"agreement_vs_fla_H{h}" + ("" if vname == "default" else f"_{vname}")] = agree
+                    ours_r = results.get(f"H{h}_{vname}", {})
+                    if "fwd_ms" in ours_r and f"H{h}" in fr:
+                        ours_r["fwd_ratio_to_fla"] = ours_r["fwd_ms"] / fr[f"H{h}"]["fwd_ms"]
+                        ours_r["fwdbwd_ratio_to_fla"] = ours_r["fwdbwd_ms"] / fr[f"H{h}"]["fwdbwd_ms"]
         else:
             report["fla"] = {"error": "worker produced no result; see fla_worker.log"}
     report["results"] = results
@@ -549,8 +550,8 @@ def main() -> None:
         print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     if "fla" in report:
         print("fla", report["fla"])
-    for h in args.heads:
-        print(f"agreement H{h}", report.get(f"agreement_vs_fla_H{h}"))
+    for key in [k for k in report if k.startswith("agreement_vs_fla_")]:
+        print(key, report[key])
 
 
 
