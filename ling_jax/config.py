@@ -33,9 +33,8 @@ DECODE_IMPLS = ("auto", "xla", "pallas")
 # flash kernels (ops.attention_pallas); "auto" picks the kernels on a GPU for 16-bit activations where
 # the head dims allow (LingConfig.pallas_attention)
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
-# the widths each decode kernel needs as powers of two, with their least value (Triton tiles)
-# the decode kernels and the widths they need (powers of two >= the bound); "proj": the batch-1 step's projections
-# (`ops.layer_gemv`, which checks each weight's tiles itself)
+# the widths each decode kernel needs as powers of two, with their least value (Triton tiles); "proj": the
+# batch-1 step's projections (`ops.layer_gemv`, which checks each weight's tiles itself)
 PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),), "proj": ()}
 
 

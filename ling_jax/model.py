@@ -147,24 +147,22 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool,
     the routed experts' gemv launches, `ops.moe.SharedStacks`). `linears`: the `LINEAR_LEAVES`
     projections as `layer_gemv.WeightStack`s.
     """
-    if t is None:
+    if t is None or not (experts or linears):
         return t, {}
     subs = {k: dict(v) for k, v in t.items() if k in ("attn", "mlp")}
     stacks: Stacks = {}
 
-    def take(sub: str, name: str, cls: type, experts_axis: bool) -> None:
+    def take(sub: str, name: str, cls: type, one_expert: bool) -> None:
         w = subs[sub][name]
-        flat = w.reshape(-1, *((1,) if experts_axis else ()), *w.shape[lead:])
+        flat = w.reshape(-1, *((1,) if one_expert else ()), *w.shape[lead:])
         stacks[sub, name] = (cls, flat)
         subs[sub][name] = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
 
     if experts and "router" in subs["mlp"]:
         mlp_p = subs["mlp"]
         routed = [n for n in moe_ops.EXPERT_LEAVES if isinstance(mlp_p[n], jax.Array) and mlp_p[n].dtype == dtype]
-        for name in routed:
-            w = mlp_p[name]
-            stacks["mlp", name] = (ExpertStack, w.reshape(-1, *w.shape[lead:]))
-            mlp_p[name] = jnp.arange(stacks["mlp", name][1].shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+        for name in routed:  # [L, E, C, O]
+            take("mlp", name, ExpertStack, False)
         shared = [mlp_p.get(n) for n in SHARED_LEAVES]  # present in the fused decode params (`fuse_gate_up`)
         if (len(routed) == len(moe_ops.EXPERT_LEAVES)
                 and all(isinstance(w, jax.Array) and w.dtype == dtype for w in shared)
@@ -202,7 +200,9 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     instead of being stacked into [n, ...] buffers and sliced back. Unrolled, where the MoE
     will run the gemv kernel (`ops.moe.wants_stacks`), the routed-expert weights reach it as
     `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
-    whole every step, and the XLA impls are faster on the plain slices).
+    whole every step, and the XLA impls are faster on the plain slices). Unrolled with caches at
+    one row (the batch-1 decode step) and `cfg.pallas_decode("proj")`, the dense projections reach
+    `layer_gemv.linear` as `WeightStack`s the same way.
     """
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
