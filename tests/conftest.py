@@ -4,6 +4,7 @@ cache, and the golden checkpoints (copied from ../shared/golden into tests/golde
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -19,7 +20,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The persistent cache is opt-in (LING_JAX_TEST_CACHE=DIR: reruns skip compiles). Off by default, as
 # in CI: there XLA:CPU (jax 0.11.2) segfaulted in `executable.serialize()` writing an entry, late in
 # the default suite's process (test_train's packing test, which passes alone), and a clean
-# checkout starts with an empty cache anyway.
+# checkout starts with an empty cache anyway. (That was probably the memory-map limit that
+# `_release_compiled_programs` below guards against.)
 if os.environ.get("LING_JAX_TEST_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["LING_JAX_TEST_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -53,6 +55,29 @@ def golden_fp8():
 
     cfg, params = ling_jax.load_hf_checkpoint(GOLDEN / "ling3_tiny_a_fp8", dtype="float32")
     return cfg, params, dict(np.load(GOLDEN / "ling3_tiny_a_fp8" / "golden.npz"))
+
+
+MAPS_PATH, MAX_MAPS_PATH = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drops JAX's caches of compiled programs once this process holds more
+    than a third of the kernel's memory-map limit (Linux `vm.max_map_count`, 65530 by default).
+
+    Every XLA:CPU executable keeps its code in memory maps, and the jit caches keep the executables:
+    the interpret-mode Pallas tests add 200-400 maps each, and the default suite's single process
+    crossed the limit late in the run, where XLA:CPU then segfaulted compiling test_train's bf16 step
+    (which passes alone). Clearing at module boundaries, only when needed, keeps the shared caches
+    for the many modules that stay small."""
+    yield
+    if not (MAPS_PATH.exists() and MAX_MAPS_PATH.exists()):
+        return
+    with MAPS_PATH.open() as f:
+        n_maps = sum(1 for _ in f)
+    if n_maps > int(MAX_MAPS_PATH.read_text()) // 3:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
