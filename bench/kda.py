@@ -156,16 +156,11 @@ def _k_bwd_intra(kp, cfg, *a):
     return kp._bwd_intra(cfg, a[0], (), *a[1:])
 
 
-def _k_bwd_dqkg(kp, cfg, *a):
-    return kp._bwd_dqkg(cfg, *a[:6], (), a[6:8], *a[8:])
-
-
-def _k_bwd_pairs(kp, cfg, *a):
-    return kp._bwd_pairs(cfg, *a[:6], (), a[6:8], *a[8:])
-
-
-def _k_bwd_var(launch, cfg, norms, *a):
-    return launch(cfg, *a[:6], (), norms, *a[6:])
+def _k_bwd(launch, cfg, *a):
+    """bwd_dqkg / bwd_pairs (`launch`): the inputs a[:6], no segments, then the two L2-norm inputs
+    where `cfg.l2norm`, then the launch's own arguments."""
+    n = 2 if cfg.l2norm else 0
+    return launch(cfg, *a[:6], (), a[6:6 + n], *a[6 + n:])
 
 
 def per_kernel(args) -> None:
@@ -210,9 +205,9 @@ def per_kernel(args) -> None:
         x, y, dbp, dv = f_bintra(beta, v, do, vn, dvn, mmat, at)
         norms = (inv_l2_norm(q), inv_l2_norm(k))
         a_dqkg = (q, k, g, beta, al, dtb, *norms, do, vn, dvn, hs, dh, mmat)
-        f_dqkg = jax.jit(functools.partial(_k_bwd_dqkg, kp, cfg))
+        f_dqkg = jax.jit(functools.partial(_k_bwd, kp._bwd_dqkg, cfg))
         dqp, dkp, dgp, _ = f_dqkg(*a_dqkg)
-        f_bpairs = jax.jit(functools.partial(_k_bwd_pairs, kp, cfg))
+        f_bpairs = jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, cfg))
         a_pairs = (q, k, g, beta, al, dtb)
         a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
@@ -233,8 +228,8 @@ def per_kernel(args) -> None:
             tag = f"bk{bk}" + ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
             cases += [(f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)), a_pairs),
                       (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), a_wu),
-                      (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd_dqkg, kp, var)), a_dqkg),
-                      (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_pairs, kp, var)), a_bpairs)]
+                      (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd, kp._bwd_dqkg, var)), a_dqkg),
+                      (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, var)), a_bpairs)]
             if warps is not None or stages is not None:  # bwd_intra has no key loop
                 cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
         for bv in args.block_v:  # the sequential kernels at other value blocks (programs = B x H x V / bv)
@@ -249,15 +244,15 @@ def per_kernel(args) -> None:
             gd = (-5.0 * jax.nn.sigmoid(g.astype(jnp.float32))).astype(bf)  # a log decay in the kernels' range
             for tag, kw in (("nogate", {"gate": None}), ("nogate_nonorm", {"gate": None, "l2norm": False})):
                 var = dataclasses.replace(cfg, **kw)
-                nb = norms if var.l2norm else ()
+                kept = slice(6 if var.l2norm else 8, None)  # after the six inputs: the norms only where used
                 cases += [
                     (f"fwd_pairs_{tag}", jax.jit(functools.partial(_k_fwd_pairs, kp, var, False)),
                      (q, k, gd, *a_pairs[3:])),
                     (f"fwd_wu_{tag}", jax.jit(functools.partial(_k_fwd_wu, kp, var)), (q, k, v, gd, *a_wu[4:])),
-                    (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd_var, kp._bwd_dqkg, var, nb)),
-                     (q, k, gd, *a_dqkg[3:6], *a_dqkg[8:])),
-                    (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd_var, kp._bwd_pairs, var, nb)),
-                     (q, k, gd, *a_bpairs[3:6], *a_bpairs[8:]))]
+                    (f"bwd_dqkg_{tag}", jax.jit(functools.partial(_k_bwd, kp._bwd_dqkg, var)),
+                     (q, k, gd, *a_dqkg[3:6], *a_dqkg[kept])),
+                    (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, var)),
+                     (q, k, gd, *a_bpairs[3:6], *a_bpairs[kept]))]
         res = {}
         for name, fn, a in cases:
             for _ in range(2):
@@ -378,34 +373,41 @@ def main() -> None:
                              initial_state=h0)
 
     # ---- 2. correctness on the GPU -----------------------------------------------------------
-    def gpu_checks(kw: dict, tag: str) -> dict:
-        """Ours (with `kw`) against the reference: fp32 forward + every gradient, bf16 forward."""
-        out = {}
+    @functools.cache
+    def check_data() -> dict:
+        """The checks' inputs and the reference's outputs (computed once for every chunk size checked)."""
         with jax.default_matmul_precision("highest"):
             tc = args.check_seq
-            x = inputs(jax.random.PRNGKey(1), 2, tc, 4, args.dk, jnp.float32)
-            h0 = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 4, args.dk, args.dk))
-            segs = jnp.asarray(np.repeat(np.cumsum(np.isin(np.arange(tc), [5, 64, 300, 301, 777]))[None],
-                                         2, 0).astype(np.int32))
-            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=segs, **kw))(*x, h0)
-            ro, rht = jax.jit(lambda *a: kimi_delta_attention(*a[:5], initial_state=a[7], impl="reference",
-                                                              use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
-                                                              segment_ids=segs))(*x, h0)
-            out[f"{tag}fp32_fwd_o"] = rel(o, ro)
-            out[f"{tag}fp32_fwd_state"] = rel(ht, rht)
-            w = jax.random.normal(jax.random.PRNGKey(3), o.shape)
+            d = {"x": inputs(jax.random.PRNGKey(1), 2, tc, 4, args.dk, jnp.float32),
+                 "h0": 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 4, args.dk, args.dk)),
+                 "segs": jnp.asarray(np.repeat(np.cumsum(np.isin(np.arange(tc), [5, 64, 300, 301, 777]))[None],
+                                               2, 0).astype(np.int32)),
+                 "xb": inputs(jax.random.PRNGKey(4), 1, tc, 4, args.dk, jnp.bfloat16)}
+            d["ro"], d["rht"] = jax.jit(lambda *a: kimi_delta_attention(
+                *a[:5], initial_state=a[7], impl="reference", use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
+                segment_ids=d["segs"]))(*d["x"], d["h0"])
+            d["w"] = jax.random.normal(jax.random.PRNGKey(3), d["ro"].shape)
+            d["gr"] = jax.jit(jax.grad(weighted_loss(ref, d["w"]), argnums=tuple(range(8))))(*d["x"], d["h0"])
+            d["rb"], _ = jax.jit(ref)(*d["xb"])
+        return d
 
-            def loss(fn):
-                return lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1])
+    def weighted_loss(fn, w):
+        return lambda *a: jnp.sum(fn(*a)[0] * w) + jnp.sum(fn(*a)[1])
 
-            gp = jax.jit(jax.grad(loss(lambda *a: ours(*a, **kw)), argnums=tuple(range(8))))(*x, h0)
-            gr = jax.jit(jax.grad(loss(ref), argnums=tuple(range(8))))(*x, h0)
-            for name, a, b in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias", "h0"), gp, gr, strict=True):
+    def gpu_checks(kw: dict, tag: str) -> dict:
+        """Ours (with `kw`) against the reference: fp32 forward + every gradient, bf16 forward."""
+        d = check_data()
+        out = {}
+        with jax.default_matmul_precision("highest"):
+            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=d["segs"], **kw))(*d["x"], d["h0"])
+            out[f"{tag}fp32_fwd_o"] = rel(o, d["ro"])
+            out[f"{tag}fp32_fwd_state"] = rel(ht, d["rht"])
+            gp = jax.jit(jax.grad(weighted_loss(lambda *a: ours(*a, **kw), d["w"]), argnums=tuple(range(8))))(
+                *d["x"], d["h0"])
+            for name, a, b in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias", "h0"), gp, d["gr"], strict=True):
                 out[f"{tag}fp32_grad_{name}"] = rel(a, b)
-            xb = inputs(jax.random.PRNGKey(4), 1, tc, 4, args.dk, jnp.bfloat16)
-            ob, _ = jax.jit(lambda *a: ours(*a, **kw))(*xb)
-            rb, _ = jax.jit(ref)(*xb)
-            out[f"{tag}bf16_fwd_o_vs_fp32_reference"] = rel(ob, rb)
+            ob, _ = jax.jit(lambda *a: ours(*a, **kw))(*d["xb"])
+            out[f"{tag}bf16_fwd_o_vs_fp32_reference"] = rel(ob, d["rb"])
         return out
 
     checks = {}
@@ -523,10 +525,10 @@ def main() -> None:
             report["fla"] = fr
             for h in args.heads:
                 x, do = inputs_by_h[h]
+                fo = np.load(TMP / f"fla_out_H{h}.npz") if (TMP / f"fla_out_H{h}.npz").exists() else None
                 for vname in [v for hh, v in fns if hh == h and v != "chunked"]:  # every variant of ours vs FLA
                     agree = {}
-                    if (TMP / f"fla_out_H{h}.npz").exists():
-                        fo = np.load(TMP / f"fla_out_H{h}.npz")
+                    if fo is not None:
                         o, ht = fns[(h, vname)][0](*x)
                         agree["o"] = rel(o, fo["o"])
                         agree["final_state"] = rel(ht, fo["ht"])
