@@ -187,7 +187,8 @@ def per_kernel(args) -> None:
         cfg = kp.Cfg(backend="triton", interpret=interp, chunk=args.chunk, t_valid=t, n_chunks=t // args.chunk,
                      dk=kd, dv=kd, scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
                      cd="bfloat16", hd="bfloat16", bv=tiles["bv"], bv_bwd=tiles["bv_bwd"], bk=tiles["bk"],
-                     bk_kv=tiles["bk_kv"], **{f"warps_{n}": w for n, w in tiles["warps"].items()})
+                     bk_kv=tiles["bk_kv"], **{f"warps_{n}": w for n, w in tiles["warps"].items()},
+                     stages_state=tiles["stages_state"], fuse_fwd=tiles["fuse_fwd"])
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))

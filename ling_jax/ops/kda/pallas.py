@@ -47,21 +47,27 @@ Cfg = pc.Cfg
 WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 
-def default_tiles(backend: str, chunk: int, dk: int, dv: int) -> dict:
+def default_tiles(backend: str, chunk: int, dk: int, dv: int, exact: bool = False) -> dict:
     """The tile defaults of a call: value blocks `bv` (sequential kernels) and `bv_bwd`, key blocks `bk`
-    (pairwise kernels) and `bk_kv`, and `warps` per kernel group. On GPU they are the fastest of the
-    H200 sweeps at B=1, T=8192, K=V=128 (bench/notes/kda.md): for chunks of 64 and more, 4 warps
-    everywhere, bk 32, 64-wide value blocks; for chunks of 32 and less the [C, C] kernels and
-    bwd_dqkg at 2 warps, bk 64, and 32-wide value blocks for the sequential kernels (whose step count
-    doubles: more, smaller programs keep more of them in flight). TPU: whole key blocks, bv 128."""
+    (pairwise kernels) and `bk_kv`, `warps` per kernel group, the sequential kernels' pipeline
+    `stages_state`, and whether the forward's chunk-parallel kernels are one launch (`fuse_fwd`); `exact`:
+    float32 inputs. On GPU they are the fastest of the H200 sweeps at B=1, T=8192, K=V=128, bf16
+    (bench/notes/kda.md): for chunks of 64 and more, 4 warps everywhere, bk 32, 64-wide value blocks;
+    for chunks of 32 and less the [C, C] kernels and bwd_dqkg at 2 warps, bk 64, 32-wide value blocks
+    and 3 stages for the sequential kernels (whose step count doubles: more, smaller programs keep more
+    of them in flight), and one forward launch for the [C, C] and [C, K] levels (their registers fit
+    one program at this chunk size). float32 takes bwd_dqkg at 2 warps at every chunk size: at 4 (chunk
+    64, bk_kv 64, bv_bwd 64) Triton's lowering of it makes misaligned 16-byte shared-memory writes
+    (compute-sanitizer on the H200; CUDA_ERROR_MISALIGNED_ADDRESS). TPU: whole key blocks, bv 128."""
     if backend != "triton":
         return {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "warps": WARPS,
-                "fuse_fwd": False}
+                "stages_state": 2, "fuse_fwd": False}
+    fp32 = {"dqkg": 2} if exact else {}
     if chunk <= 32:
         return {"bv": min(dv, 32), "bv_bwd": min(dv, 64), "bk": min(dk, 64), "bk_kv": min(dk, 64),
-                "warps": {**WARPS, "pairs": 2, "dqkg": 2}, "fuse_fwd": False}
-    return {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64), "warps": WARPS,
-            "fuse_fwd": False}
+                "warps": {**WARPS, "pairs": 2, "dqkg": 2}, "stages_state": 3, "fuse_fwd": True}
+    return {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64),
+            "warps": {**WARPS, **fp32}, "stages_state": 2, "fuse_fwd": False}
 
 
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
@@ -647,7 +653,7 @@ def kda_pallas(
     cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
-    tiles = default_tiles(backend, c, dk, dv)
+    tiles = default_tiles(backend, c, dk, dv, exact=cd == "float32")
     bv = block_v or tiles["bv"]
     bvb = block_v_bwd or tiles["bv_bwd"]
     warps = {**tiles["warps"], **(num_warps or {})}
@@ -659,6 +665,7 @@ def kda_pallas(
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
               bv_bwd=bvb, bk=bk, bk_kv=bk_kv, **{f"warps_{name}": n for name, n in warps.items()},
+              stages_state=tiles["stages_state"],
               fuse_fwd=tiles["fuse_fwd"] if fuse_forward is None else bool(fuse_forward))
 
     def pad_t(x):
