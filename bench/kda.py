@@ -144,10 +144,6 @@ def _k_fwd_wu(kp, cfg, *a):
     return kp._fwd_wu(cfg, *a[:7], (), a[7])
 
 
-def _k_fwd_chunk(kp, cfg, store, *a):
-    return kp._fwd_chunk(cfg, *a[:7], (), store)
-
-
 def _k_fwd_state(kp, cfg, h0t, store, *a):
     return kp._fwd_state(cfg, *a, h0t, a[1].dtype, store, store)
 
@@ -188,7 +184,7 @@ def per_kernel(args) -> None:
                      dk=kd, dv=kd, scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
                      cd="bfloat16", hd="bfloat16", bv=tiles["bv"], bv_bwd=tiles["bv_bwd"], bk=tiles["bk"],
                      bk_kv=tiles["bk_kv"], **{f"warps_{n}": w for n, w in tiles["warps"].items()},
-                     stages_state=tiles["stages_state"], fuse_fwd=tiles["fuse_fwd"])
+                     stages_state=tiles["stages_state"])
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
@@ -215,7 +211,6 @@ def per_kernel(args) -> None:
         f_bpairs = jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, cfg))
         a_pairs = (q, k, g, beta, al, dtb)
         a_wu = (q, k, v, g, beta, al, dtb, mmat)
-        a_chunk = (q, k, v, g, beta, al, dtb)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
         cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_pairs_storing_at", f_pairs_st, a_pairs),
@@ -238,12 +233,6 @@ def per_kernel(args) -> None:
                       (f"bwd_pairs_{tag}", jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, var)), a_bpairs)]
             if warps is not None or stages is not None:  # bwd_intra has no key loop
                 cases.append((f"bwd_intra_{tag}", jax.jit(functools.partial(_k_bwd_intra, kp, var)), a_bintra))
-        for warps in args.fused_warps:  # fwd_pairs + fwd_wu as one launch (Cfg.fuse_fwd), at these warps
-            var = dataclasses.replace(cfg, fuse_fwd=True, warps_wu=warps or cfg.warps_wu)
-            tag = "" if warps is None else f"_w{warps}"
-            cases += [(f"fwd_chunk{tag}", jax.jit(functools.partial(_k_fwd_chunk, kp, var, False)), a_chunk),
-                      (f"fwd_chunk_storing_mats{tag}", jax.jit(functools.partial(_k_fwd_chunk, kp, var, True)),
-                       a_chunk)]
         for warps, stages in itertools.product(args.state_warps, args.state_stages):
             if warps is None and stages is None:
                 continue
@@ -306,6 +295,9 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time kernel-parameter variants")
     ap.add_argument("--chunk", type=int, default=64, help="--per-kernel: the chunk size")
     ap.add_argument("--chunks", type=int, nargs="*", default=[], help="also time ours at these chunk sizes")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help='also time ours with these kda_pallas keywords, e.g. chunk32_bv64=\'{"chunk_size": 32, '
+                         '"block_v": 64}\' (repeatable)')
     ap.add_argument("--checks-only", action="store_true", help="only the GPU checks against the reference")
     ap.add_argument("--fla-worker", action="store_true")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
@@ -317,16 +309,10 @@ def main() -> None:
                     default=[None], help="--per-kernel: ... and these pipeline stages ('default': Cfg's)")
     ap.add_argument("--block-v", type=int, nargs="*", default=[],
                     help="--per-kernel: also time the sequential kernels at these value blocks")
-    ap.add_argument("--fused-warps", type=lambda s: None if s == "default" else int(s), nargs="*", default=[],
-                    help="--per-kernel: also time fwd_pairs + fwd_wu as one launch at these warps ('default': "
-                         "Cfg.warps_wu)")
     ap.add_argument("--state-warps", type=lambda s: None if s == "default" else int(s), nargs="*",
                     default=[None], help="--per-kernel: also time the sequential kernels at these warps")
     ap.add_argument("--state-stages", type=lambda s: None if s == "default" else int(s), nargs="*",
                     default=[None], help="--per-kernel: ... and these pipeline stages")
-    ap.add_argument("--fuse", action="store_true",
-                    help="also time and check ours with the forward's chunk-parallel kernels as one launch "
-                         "(fuse_forward=True), at the default chunk and every --chunks size")
     ap.add_argument("--unfused", action="store_true",
                     help="--per-kernel: also time the chunk-parallel kernels with the gate (and the L2 norm) outside")
     args = ap.parse_args()
@@ -397,9 +383,6 @@ def main() -> None:
         return q, k, v, g, beta, a_log, dt_bias
 
     def ours(q, k, v, g, beta, a_log, dt_bias, h0=None, impl="pallas", **kw):
-        if "fuse_forward" in kw:  # a kda_pallas option the public op does not take
-            return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0, use_qk_l2norm=True,
-                              a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, **kw)
         return kimi_delta_attention(q, k, v, g, beta, initial_state=h0, impl=impl, use_qk_l2norm=True,
                                     a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, **kw)
 
@@ -448,9 +431,7 @@ def main() -> None:
 
     checks = {}
     chunk_kws = [("", {})] + [(f"chunk{c}_", {"chunk_size": c}) for c in args.chunks]
-    if args.fuse:
-        chunk_kws += [(f"{tag}fused_", {**kw, "fuse_forward": True}) for tag, kw in chunk_kws]
-    for tag, kw in chunk_kws:  # the default chunk, then each extra one (then each fused)
+    for tag, kw in chunk_kws:  # the default chunk, then each extra one
         try:
             if args.no_checks:
                 raise RuntimeError("skipped (--no-checks)")
@@ -492,8 +473,7 @@ def main() -> None:
                          ("bvb128", {"block_v_bwd": 128}), ("bk64", {"block_k": 64}),
                          ("bk128", {"block_k": 128})]
     variant_list += [(f"chunk{c}", {"chunk_size": c}) for c in args.chunks]
-    if args.fuse:
-        variant_list += [(f"{name}_fused", {**kw, "fuse_forward": True}) for name, kw in variant_list]
+    variant_list += [(v.split("=", 1)[0], json.loads(v.split("=", 1)[1])) for v in args.variant]
     inputs_by_h = {}
     for h in args.heads:
         x = inputs(jax.random.PRNGKey(10 + h), 1, args.seq, h, kd, jnp.bfloat16)

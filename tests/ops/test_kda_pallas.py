@@ -174,27 +174,6 @@ def test_chunk_sizes_forward_and_gradients(chunk, dk):
         assert rel_l2(a, b) < 5e-5, (name, rel_l2(a, b))
 
 
-@pytest.mark.parametrize("chunk, dtype", [(32, jnp.float32), pytest.param(64, jnp.bfloat16, marks=pytest.mark.heavy)])
-def test_fused_forward_launch(chunk, dtype):
-    """`fuse_forward` (fwd_pairs + fwd_wu as one launch, M kept on chip) gives what the two launches
-    give - outputs, chunk states and every gradient - with segments, an initial state, a partial last
-    chunk and two key blocks; and matches the reference."""
-    x = make_inputs(50 + chunk, 1, 150, 2, 64, 64, dtype)
-    segs = awkward_segments(1, 150)
-    run = functools.partial(pallas, segment_ids=segs, chunk_size=chunk, states=True, block_k=32, block_k_kv=32)
-    fused, split = run(*x, fuse_forward=True), run(*x, fuse_forward=False)
-    for a, b in zip(fused, split, strict=True):  # the same kernel bodies on the same data
-        np.testing.assert_array_equal(a, b)
-    tol = 2e-5 if dtype == jnp.float32 else 2e-2
-    for a, b in zip(fused, reference(*x, segment_ids=segs, chunk_size=chunk, states=True), strict=True):
-        assert rel_l2(a, b) < tol
-    tiles = {"chunk_size": chunk, "block_k": 32, "block_k_kv": 32}
-    gf = _grads(functools.partial(pallas, **tiles, fuse_forward=True), x, segs, False, seed=3)
-    gs = _grads(functools.partial(pallas, **tiles, fuse_forward=False), x, segs, False, seed=3)
-    for name, a, b in zip(NAMES, gf, gs, strict=True):
-        np.testing.assert_array_equal(a, b, err_msg=name)
-
-
 @pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
 def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
     """The sub-chunk factorisation is exact while each step's log decay and the decay over each
@@ -401,12 +380,10 @@ def test_bad_tile_settings_are_refused():
         pallas(*x, block_k=16, backend="tpu", interpret=False)
 
 
-@pytest.mark.parametrize("kw", [{}, {"block_k": 128}, {"chunk_size": 32}, {"chunk_size": 32, "fuse_forward": True}],
-                         ids=["default", "one_key_block", "chunk32", "chunk32_fused"])
+@pytest.mark.parametrize("kw", [{}, {"block_k": 128}, {"chunk_size": 32}], ids=["default", "one_key_block", "chunk32"])
 def test_triton_lowering(h200_lowering, kw):
-    """Default key blocks (32 of K = 128: the `scf.for` loops), one block, chunks of 32 (their own
-    tiles, `pallas.default_tiles`: 2-warp [C, C] kernels, 64-wide key blocks, 32-wide value blocks),
-    and the forward's chunk-parallel kernels as one launch (`fuse_forward`)."""
+    """Default key blocks (32 of K = 128: the `scf.for` loops), one block, and chunks of 32 (their own
+    tiles, `pallas.default_tiles`: 2-warp [C, C] kernels, 64-wide key blocks, 32-wide value blocks)."""
     _export_fwd_and_grad("triton", "cuda", **kw)
 
 

@@ -17,6 +17,7 @@ from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 DEFAULT_CHUNK = 64  # `chunk_size` of `kimi_delta_attention` unless given
+GPU_KERNEL_CHUNK = 32  # the model's chunk for the Pallas kernels on a GPU (`model_chunk`)
 _MODULES = {
     "reference": ("ling_jax.ops.kda.reference", "kda_reference"),
     "chunked": ("ling_jax.ops.kda.chunked", "kda_chunked"),
@@ -33,6 +34,18 @@ def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
 def on_accelerator() -> bool:
     """Whether the default backend has the Pallas KDA kernels (GPU or TPU)."""
     return jax.default_backend() in ("gpu", "tpu")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def model_chunk(impl: str) -> int:
+    """The chunk size the model's KDA layers run the resolved `impl` at: GPU_KERNEL_CHUNK for the Pallas
+    kernels on a GPU (H200, B=1, T=8192, K=V=128, bf16, same runs: H=64 forward 1.96-2.06 ms at 32 vs
+    2.69-2.79 at 64, forward+backward 6.43-6.63 vs 8.57-8.61; H=16 0.83-0.96 vs 1.09-1.13 and 2.28-2.51
+    vs 3.07-3.23; BENCHMARKS.md), DEFAULT_CHUNK elsewhere. The result does not depend on it."""
+    return GPU_KERNEL_CHUNK if impl == "pallas" and on_gpu() else DEFAULT_CHUNK
 
 
 def resolve_impl(impl: str, safe_gate: bool = True, supported: bool = True) -> str:

@@ -49,25 +49,22 @@ WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 def default_tiles(backend: str, chunk: int, dk: int, dv: int, exact: bool = False) -> dict:
     """The tile defaults of a call: value blocks `bv` (sequential kernels) and `bv_bwd`, key blocks `bk`
-    (pairwise kernels) and `bk_kv`, `warps` per kernel group, the sequential kernels' pipeline
-    `stages_state`, and whether the forward's chunk-parallel kernels are one launch (`fuse_fwd`); `exact`:
-    float32 inputs. On GPU they are the fastest of the H200 sweeps at B=1, T=8192, K=V=128, bf16
-    (bench/notes/kda.md): for chunks of 64 and more, 4 warps everywhere, bk 32, 64-wide value blocks;
-    for chunks of 32 and less the [C, C] kernels and bwd_dqkg at 2 warps, bk 64, 32-wide value blocks
-    and 3 stages for the sequential kernels (whose step count doubles: more, smaller programs keep more
-    of them in flight), and one forward launch for the [C, C] and [C, K] levels (their registers fit
-    one program at this chunk size). float32 takes bwd_dqkg at 2 warps at every chunk size: at 4 (chunk
-    64, bk_kv 64, bv_bwd 64) Triton's lowering of it makes misaligned 16-byte shared-memory writes
-    (compute-sanitizer on the H200; CUDA_ERROR_MISALIGNED_ADDRESS). TPU: whole key blocks, bv 128."""
+    (pairwise kernels) and `bk_kv`, `warps` per kernel group and the sequential kernels' pipeline
+    `stages_state`; `exact`: float32 inputs. On GPU they are the fastest of the H200 sweeps at B=1,
+    T=8192, K=V=128, bf16 (bench/notes/kda.md): for chunks of 64 and more, 4 warps everywhere, bk 32,
+    64-wide value blocks, 2 stages; for chunks of 32 and less the [C, C] kernels and bwd_dqkg at 2
+    warps, bk 64, and 32-wide value blocks and 3 stages for the sequential kernels (whose step count
+    doubles: more, smaller programs keep more of them in flight). float32 takes bwd_dqkg at 2 warps at
+    every chunk size: at 4 (chunk 64, bk_kv 64, bv_bwd 64) Triton's lowering of it makes misaligned
+    16-byte shared-memory writes (compute-sanitizer on the H200: CUDA_ERROR_MISALIGNED_ADDRESS).
+    TPU: whole key blocks, bv 128."""
     if backend != "triton":
-        return {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "warps": WARPS,
-                "stages_state": 2, "fuse_fwd": False}
-    fp32 = {"dqkg": 2} if exact else {}
+        return {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "warps": WARPS, "stages_state": 2}
     if chunk <= 32:
         return {"bv": min(dv, 32), "bv_bwd": min(dv, 64), "bk": min(dk, 64), "bk_kv": min(dk, 64),
-                "warps": {**WARPS, "pairs": 2, "dqkg": 2}, "stages_state": 3, "fuse_fwd": True}
+                "warps": {**WARPS, "pairs": 2, "dqkg": 2}, "stages_state": 3}
     return {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64),
-            "warps": {**WARPS, **fp32}, "stages_state": 2, "fuse_fwd": False}
+            "warps": {**WARPS, "dqkg": 2} if exact else WARPS, "stages_state": 2}
 
 
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
@@ -194,52 +191,28 @@ def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
 
 
-def _wu_shapes(cfg: Cfg, b: int, h: int) -> list[jax.ShapeDtypeStruct]:
-    """W, U, Qg, Kg (compute dtype, per token) and gamma [B, H, NT, 1, K] float32."""
-    cd = jnp.dtype(cfg.cd)
-    dk, dv = cfg.dk, cfg.dv
-    return [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, d), cd) for d in (dk, dv, dk, dk)] + [
-        jax.ShapeDtypeStruct((b, h, cfg.n_chunks, 1, dk), F32)]
-
-
-def _wu_specs(cfg: Cfg) -> list[pl.BlockSpec]:
-    return [_tok(cfg, cfg.dk), _tok(cfg, cfg.dv), _tok(cfg, cfg.dk), _tok(cfg, cfg.dk), _chk(1, cfg.dk)]
-
-
 def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
     """W, U, Qg, Kg (compute dtype) and gamma [B, H, NT, 1, K] from part 1's M."""
     b, h = _num_heads(cfg, q)
+    c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
+    cd = jnp.dtype(cfg.cd)
+    out_shape = [
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # W
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), cd),  # U
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Qg
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Kg
+        jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32),  # gamma
+    ]
     return pl.pallas_call(
         functools.partial(pc.fwd_wu_kernel, cfg),
-        out_shape=_wu_shapes(cfg, b, h),
-        grid=(b, h, cfg.n_chunks),
-        in_specs=[*_input_specs(cfg), _tok(cfg, cfg.dv), _tok(cfg, cfg.chunk)],
-        out_specs=_wu_specs(cfg),
+        out_shape=out_shape,
+        grid=(b, h, nt),
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)],
+        out_specs=[_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _chk(1, dk)],
         compiler_params=_compiler_params(cfg, cfg.warps_wu, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_wu",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
-
-
-def _fwd_chunk(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, store_mats: bool):
-    """`fwd_pairs` and `fwd_wu` as one launch (`Cfg.fuse_fwd`): Aqk, W, U, Qg, Kg, gamma [, M, At]."""
-    b, h = _num_heads(cfg, q)
-    c = cfg.chunk
-    out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), jnp.dtype(cfg.cd)), *_wu_shapes(cfg, b, h)]
-    out_specs = [_tok(cfg, c), *_wu_specs(cfg)]
-    if store_mats:
-        out_shape += [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32)] * 2
-        out_specs += [_tok(cfg, c)] * 2
-    return pl.pallas_call(
-        functools.partial(pc.fwd_chunk_kernel, cfg, store_mats),
-        out_shape=out_shape,
-        grid=(b, h, cfg.n_chunks),
-        in_specs=[*_input_specs(cfg), _tok(cfg, cfg.dv)],
-        out_specs=out_specs,
-        compiler_params=_compiler_params(cfg, cfg.warps_wu, cfg.stages_chunk),
-        interpret=cfg.interpret,
-        name="kda_fwd_chunk",
-    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v)
 
 
 def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
@@ -505,14 +478,10 @@ def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp,
 def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states: bool, for_grad: bool):
     """The three forward launches; `states`: also the chunk states, `for_grad`: also the backward's
     residuals (At, the chunk states, V')."""
-    if cfg.fuse_fwd:
-        aqk, w, u, qg, kg, gam, *mats = _fwd_chunk(cfg, q, k, v, g, beta, a_log, dt, masks, store_mats=for_grad)
-    else:
-        aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
-        w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
-        mats = [mmat, *at]
+    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
+    w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
     outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=states or for_grad, store_vn=for_grad)
-    return outs, (w, qg, kg, aqk, gam, *mats)
+    return outs, (w, qg, kg, aqk, gam, mmat, *at)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -617,7 +586,6 @@ def kda_pallas(
     num_warps: Mapping[str, int] | None = None,
     block_k: int | None = None,
     block_k_kv: int | None = None,
-    fuse_forward: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
 
@@ -627,8 +595,7 @@ def kda_pallas(
     (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
     `block_v` / `block_v_bwd` / `block_k` / `block_k_kv`: tile sizes of the kernels (`Cfg.bv`,
     `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend and chunk size (`default_tiles`);
-    `num_warps`: warps per program on GPU by kernel group, overriding the default (e.g. {"dqkg": 8});
-    `fuse_forward`: the forward's two chunk-parallel kernels as one launch (`Cfg.fuse_fwd`).
+    `num_warps`: warps per program on GPU by kernel group, overriding the default (e.g. {"dqkg": 8}).
 
     The kernels factor the in-chunk decays by 16-row sub-chunks, exact while every step's log decay
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
@@ -665,8 +632,7 @@ def kda_pallas(
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
               bv_bwd=bvb, bk=bk, bk_kv=bk_kv, **{f"warps_{name}": n for name, n in warps.items()},
-              stages_state=tiles["stages_state"],
-              fuse_fwd=tiles["fuse_fwd"] if fuse_forward is None else bool(fuse_forward))
+              stages_state=tiles["stages_state"])
 
     def pad_t(x):
         if t_pad == t:

@@ -95,7 +95,6 @@ class Cfg:
     warps_bwd_pairs: int = 4  # bwd_pairs
     stages_state: int = 2
     stages_chunk: int = 1  # software-pipelining stages of the chunk-parallel kernels' column loops
-    fuse_fwd: bool = False  # the forward's two chunk-parallel kernels as one launch (`fwd_chunk_kernel`)
 
     def __post_init__(self) -> None:
         for name in ("bk", "bk_kv"):
@@ -443,19 +442,18 @@ class Pairs:
     aqk: jax.Array | None
 
 
-def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool,
-                norms: tuple[jax.Array | None, jax.Array | None]) -> Pairs:
+def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
 
-    `norms` are the rows' 1 / ||q||, 1 / ||k|| (`inv_norms`: they need every column; (None, None)
-    without the L2 norm). The loop loads a [C, bk] column block of q, k and the gate input, computes
-    the gate and its in-chunk cumulative sum for those channels (both are per channel), and adds the
-    block's share of every pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
+    A first loop sums the squares of q and k for the L2 norms (they need every column); the second
+    loads a [C, bk] column block of q, k and the gate input, computes the gate and its in-chunk
+    cumulative sum for those channels (both are per channel), and adds the block's share of every
+    pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
     (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
     keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
     n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index()
-    rq, rk = norms
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     zero_rows = [jnp.zeros((BC, c), F32)] * n
 
     def step(cols, carry):
@@ -482,44 +480,38 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool,
     return Pairs(at, aqk)
 
 
-def _norms(cfg: Cfg, ins) -> tuple[jax.Array | None, jax.Array | None]:
-    return inv_norms(cfg, ins) if cfg.l2norm else (None, None)
-
-
-def _pairs_and_inverse(cfg: Cfg, ins, norms) -> tuple[Pairs, jax.Array]:
-    """At, Aqk (`chunk_pairs`) and M = (I + diag(beta) At)^-1 (`solve`) of the chunk, [C, C] each."""
-    pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True, norms=norms)
-    return pr, solve(cfg, pr.at, ins[3][...].astype(F32))
-
-
 def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
     """Chunk-parallel forward, part 1, one (batch, head, chunk) per program: the [C, C] level.
 
     Reads q, k, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the L2
     norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`) and the triangular inverse M
     (`solve`); writes Aqk (compute dtype), M (float32) and, for the backward, At (float32).
-    For chunks of 64 and more the [C, C] products live in their own launch: their registers would
-    otherwise limit the [C, K]-level kernel below to two 4-warp programs per SM (`fwd_chunk_kernel`
-    is both in one program, for smaller chunks).
+    The [C, C] products live in their own launch: their registers would otherwise limit the
+    [C, K]-level kernel below to two 4-warp programs per SM.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
     aqk_ref, m_ref = refs[i:i + 2]
-    pr, M = _pairs_and_inverse(cfg, ins, _norms(cfg, ins))
-    m_ref[...] = M
+    pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True)
+    m_ref[...] = solve(cfg, pr.at, ins[3][...].astype(F32))
     aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
     if store_at:
         refs[i + 2][...] = pr.at
 
 
-def _write_wu(cfg: Cfg, ins, load_m, norms, v_ref, outs) -> None:
-    """The [C, K] level of the forward from M (`load_m()`, [C, C] float32): writes
-    W = M diag(beta m) (exp(G) * k), Qg, Kg [C, K] and gamma [1, K] per block of key columns (the
-    gate and cumulative sum recomputed: elementwise work and a column scan) and U = M diag(beta) v
-    [C, V] per block of value columns. `outs`: the refs of W, U, Qg, Kg, gamma."""
-    w_ref, u_ref, qg_ref, kg_ref, gam_ref = outs
+def fwd_wu_kernel(cfg: Cfg, *refs):
+    """Chunk-parallel forward, part 2: the [C, K] level, from part 1's M.
+
+    Reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M; writes
+    W = M diag(beta m) (exp(G) * k), Qg, Kg [C, K], gamma [1, K] per block of key columns (the
+    gate, norms and cumulative sum recomputed: elementwise work and a column scan) and
+    U = M diag(beta) v [C, V] per block of value columns.
+    """
+    ins, i = _unpack_inputs(cfg, list(refs))
+    v_ref, mm_ref = refs[i:i + 2]
+    w_ref, u_ref, qg_ref, kg_ref, gam_ref = refs[i + 2:i + 7]
     c = cfg.chunk
     m, e, _ = _masks(cfg, ins)
-    rq, rk = norms
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
     beta = ins[3][...].astype(F32)
     coef = beta if m is None else beta * m
     ci = _chunk_index()
@@ -529,7 +521,7 @@ def _write_wu(cfg: Cfg, ins, load_m, norms, v_ref, outs) -> None:
         G = cumsum_rows(cfg, p.g)
         G_last = row(G, c - 1)
         eg = jnp.exp(G)  # underflows to 0 only where the decay itself does
-        w_ref[:, cols] = mm(cfg, load_m(), coef * eg * p.k).astype(w_ref.dtype)
+        w_ref[:, cols] = mm(cfg, mm_ref[...], coef * eg * p.k).astype(w_ref.dtype)
         qg = cfg.scale * eg * p.q
         kappa = jnp.exp(G_last - G)
         gam = jnp.exp(G_last)
@@ -543,42 +535,11 @@ def _write_wu(cfg: Cfg, ins, load_m, norms, v_ref, outs) -> None:
         return carry
 
     def value_block(cols, carry):
-        u_ref[:, cols] = mm(cfg, load_m(), beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
+        u_ref[:, cols] = mm(cfg, mm_ref[...], beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
         return carry
 
     kloop(cfg, cfg.dk, cfg.bk_kv, key_block, None)
     kloop(cfg, cfg.dv, min(cfg.bk_kv, cfg.dv), value_block, None)
-
-
-def fwd_wu_kernel(cfg: Cfg, *refs):
-    """Chunk-parallel forward, part 2: the [C, K] level (`_write_wu`), from part 1's M.
-
-    Reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M; writes W, U, Qg, Kg,
-    gamma.
-    """
-    ins, i = _unpack_inputs(cfg, list(refs))
-    v_ref, mm_ref = refs[i:i + 2]
-    _write_wu(cfg, ins, lambda: mm_ref[...], _norms(cfg, ins), v_ref, refs[i + 2:i + 7])
-
-
-def fwd_chunk_kernel(cfg: Cfg, store_mats: bool, *refs):
-    """Chunk-parallel forward, parts 1 and 2 in one program (`Cfg.fuse_fwd`, chunks <= 32): the [C, C]
-    level of `fwd_pairs_kernel`, then the [C, K] level of `fwd_wu_kernel` from the M still on chip.
-
-    Saves writing and re-reading M, and reading q, k, the gate input and beta a second time from HBM
-    (the second reads of a program hit L2). Writes Aqk, W, U, Qg, Kg, gamma and, for the backward
-    (`store_mats`), M and At.
-    """
-    ins, i = _unpack_inputs(cfg, list(refs))
-    v_ref = refs[i]
-    aqk_ref = refs[i + 1]
-    norms = _norms(cfg, ins)
-    pr, M = _pairs_and_inverse(cfg, ins, norms)
-    aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
-    if store_mats:
-        refs[i + 7][...] = M
-        refs[i + 8][...] = pr.at
-    _write_wu(cfg, ins, lambda: M, norms, v_ref, refs[i + 2:i + 7])
 
 
 def bwd_intra_kernel(cfg: Cfg, *refs):
