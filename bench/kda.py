@@ -16,7 +16,10 @@ One run does, in this order:
      backward) and the chunked XLA path: median of warmed-up calls, each with block_until_ready;
   5. tells the worker to time FLA (triton.testing.do_bench, median) and to run FLA once on our
      inputs; compares its output and gradients with ours (relative L2);
-  6. writes $OUT/kda_bench.json and prints a table.
+  6. writes $OUT/kda_bench.json and prints a table; with TRITON_CACHE_DIR set, copies Triton's
+     autotuning results (`*.autotune.json`, FLA caches them: FLA_CACHE_RESULTS) to
+     $OUT/triton_autotune/. Copied back into TRITON_CACHE_DIR on a machine with the same Triton and
+     FLA, they spare the next run FLA's ~8-minute autotune.
 
 Byte and FLOP counts (per token and head, C = 64, bf16 inputs): bytes_min = 2 (3K + V) + 2 (q, k, g,
 v, beta) + 2 V (o), plus the final state (4 K V per head); the forward+backward minimum adds reading
@@ -570,6 +573,14 @@ def main() -> None:
     (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
     if (TMP / "fla_worker.log").exists():
         (out_dir / "fla_worker.log").write_text((TMP / "fla_worker.log").read_text())
+    if os.environ.get("TRITON_CACHE_DIR") and worker is not None:
+        cache = Path(os.environ["TRITON_CACHE_DIR"])
+        tuned = sorted(cache.rglob("*.autotune.json"))
+        for f in tuned:
+            dst = out_dir / "triton_autotune" / f.relative_to(cache)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(f.read_bytes())
+        print(f"saved {len(tuned)} autotuning results to {out_dir / 'triton_autotune'}")
     print("\n=== summary (ms) ===")
     for key, r in results.items():
         print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})

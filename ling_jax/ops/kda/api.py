@@ -37,6 +37,7 @@ def on_accelerator() -> bool:
 
 
 def on_gpu() -> bool:
+    """Whether the default backend is a GPU (the chunk size `model_chunk` picks depends on it)."""
     return jax.default_backend() == "gpu"
 
 
