@@ -11,7 +11,8 @@ fallback included). Decode caches use the table's cache roles (`kda_state`, `kda
     rows (dropless: every copy may land on one device), its gate/up/act intermediates, the
     unsorted output, the float32 partial sums, and the expert weights gathered over `fsdp`;
   * MLA: the materialised [B, H, T, T] float32 scores and bf16 probabilities of ops/attention.py;
-  * KDA: projections, conv outputs, gates and the per-chunk float32 states (chunk 64);
+  * KDA: projections, conv outputs, gates and the per-chunk float32 states (chunks of 32 in the GPU
+    plans, where the model runs the kernels at 32 (`ops.kda.api.model_chunk`), else 64);
   * training: full rematerialisation per layer — each layer's bf16 input is saved, one layer at a
     time is recomputed and differentiated (its working set counted twice: forward values + their
     gradients) — plus float32 logits and their gradient.
@@ -29,6 +30,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ling_jax.config import LingConfig
+from ling_jax.ops.kda.api import DEFAULT_CHUNK, GPU_KERNEL_CHUNK
 from ling_jax.params import ParamSlot, param_slots
 from ling_jax.sharding import AXES, axis_sizes, param_spec, spec
 
@@ -146,16 +148,16 @@ def moe_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_byte
 
 
 def kda_buffers(cfg: LingConfig, sizes: Mapping[str, int], tokens: int, act_bytes: int = 2,
-                training: bool = False) -> float:
-    """Dominant buffers of one KDA layer for `tokens` local tokens (heads split over tensor);
-    `training`: with the Pallas kernels' backward residuals and float32 partials."""
+                training: bool = False, chunk: int = DEFAULT_CHUNK) -> float:
+    """Dominant buffers of one KDA layer for `tokens` local tokens (heads split over tensor) at chunks
+    of `chunk`; `training`: with the Pallas kernels' backward residuals and float32 partials."""
     p = _div(cfg.kda_dim, sizes, "tensor")
     h = _div(cfg.num_attention_heads, sizes, "tensor")
     dh = cfg.head_dim
     per_token = (3 * p + 3 * p + 2 * p + 2 * p) * act_bytes + p * 4 + cfg.hidden_size * act_bytes
-    if training:  # the Pallas kernels' backward: residuals M and At ([C = 64] float32 per head) and the
-        per_token += 2 * h * 64 * 4 + 3 * h * dh * 4  # float32 partial dq, dk, dG between bwd_dqkg and bwd_pairs
-    return tokens * per_token + math.ceil(tokens / 64) * h * dh * dh * 4
+    if training:  # the Pallas kernels' backward: residuals M and At ([C] float32 per head) and the
+        per_token += 2 * h * chunk * 4 + 3 * h * dh * 4  # float32 partial dq, dk, dG between bwd_dqkg and bwd_pairs
+    return tokens * per_token + math.ceil(tokens / chunk) * h * dh * dh * 4
 
 
 def mla_buffers(cfg: LingConfig, sizes: Mapping[str, int], rows: int, seq: int, act_bytes: int = 2,
@@ -180,12 +182,18 @@ def _largest(candidates: dict[str, float]) -> tuple[str, float]:
     return name, candidates[name]
 
 
+def _kda_chunk(gpu: bool) -> int:
+    """The chunk the model's KDA layers run at in a GPU plan (the kernels: `api.model_chunk`) or a TPU one."""
+    return GPU_KERNEL_CHUNK if gpu else DEFAULT_CHUNK
+
+
 def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, context: int, weights: str = "fp8",
                    prefill_tokens: int = 8192, hbm_gb: float = 141.0, title: str = "", fused_attention: bool = False
                    ) -> Plan:
     """Serving: weights (FP8 kept FP8, or bf16), decode caches for `batch` sequences of `context`
     tokens, and the working set of prefilling `prefill_tokens` tokens per device (one sequence chunk);
-    `fused_attention`: MLA through the fused kernels (GPU) instead of the materialised softmax."""
+    `fused_attention`: a GPU plan - MLA through the fused kernels instead of the materialised softmax,
+    KDA at the kernels' GPU chunk (`_kda_chunk`)."""
     sizes = axis_sizes(mesh)
     plan = Plan(title or f"{cfg.num_hidden_layers}-layer model inference", sizes, hbm_gb * GB)
     per_el = fp8_bytes(cfg) if weights == "fp8" else bf16_bytes
@@ -210,7 +218,8 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
     plan.add("MLA latent cache", n["mla"] * latent,
              f"{n['mla']} layers (incl. MTP) x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
     t = prefill_tokens
-    layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t), "KDA": kda_buffers(cfg, sizes, t),
+    layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t),
+                            "KDA": kda_buffers(cfg, sizes, t, chunk=_kda_chunk(fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, 1, t, fused=fused_attention)})
     logits = _div(cfg.vocab_size, sizes, "tensor") * 4  # logits of the last position only
     plan.add("prefill working set", work + t * cfg.hidden_size * 2 * 2 + logits,
@@ -222,7 +231,7 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
                   title: str = "", fused_attention: bool = False) -> Plan:
     """Continued pretraining with AdamW: fp32 master params, 2 fp32 moments, fp32 grads, a bf16
     compute copy, full per-layer remat; `batch` sequences of `seq_len` tokens per step (global);
-    `fused_attention`: MLA through the fused kernels (GPU) instead of the materialised softmax."""
+    `fused_attention`: a GPU plan, as in `plan_inference`."""
     sizes = axis_sizes(mesh)
     plan = Plan(title or f"{cfg.num_hidden_layers}-layer model training", sizes, hbm_gb * GB)
     n_params = param_count(cfg)
@@ -244,7 +253,7 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("saved layer inputs (remat)", n["layers"] * t * cfg.hidden_size * 2,
              f"{n['layers']} layers x {t} tokens/device x D bf16")
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t) + t * cfg.hidden_size * 2 * 6,
-                            "KDA": kda_buffers(cfg, sizes, t, training=True),
+                            "KDA": kda_buffers(cfg, sizes, t, training=True, chunk=_kda_chunk(fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, max(1, round(rows)), seq_len,
                                                                     fused=fused_attention)})
     plan.add("one layer recomputed + its grads", 2 * work, f"largest layer: {layer}, x2 (values + grads)")
