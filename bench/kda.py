@@ -182,12 +182,9 @@ def per_kernel(args) -> None:
     kd, t = args.dk, args.seq
     interp = jax.default_backend() == "cpu"
     for h in args.heads:
-        tiles = kp.default_tiles("triton", args.chunk, kd, kd)
         cfg = kp.Cfg(backend="triton", interpret=interp, chunk=args.chunk, t_valid=t, n_chunks=t // args.chunk,
                      dk=kd, dv=kd, scale=kd ** -0.5, gate="lb", lower_bound=-5.0, l2norm=True, segments=False,
-                     cd="bfloat16", hd="bfloat16", bv=tiles["bv"], bv_bwd=tiles["bv_bwd"], bk=tiles["bk"],
-                     bk_kv=tiles["bk_kv"], **{f"warps_{n}": w for n, w in tiles["warps"].items()},
-                     stages_state=tiles["stages_state"])
+                     cd="bfloat16", hd="bfloat16", **kp.default_tiles("triton", args.chunk, kd, kd))
         ks = jax.random.split(jax.random.PRNGKey(h), 8)
         bf = jnp.bfloat16
         q, k, v, g, do = (jax.random.normal(ks[i], (1, t, h, kd)).astype(bf) for i in range(5))
@@ -216,10 +213,11 @@ def per_kernel(args) -> None:
         a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
+        a_state = (w, u, qg, kg, aqk, gam)
+        a_bstate = (qg, w, kg, aqk, gam, do, ht)
         cases = [("fwd_pairs", f_pairs, a_pairs), ("fwd_pairs_storing_at", f_pairs_st, a_pairs),
-                 ("fwd_wu", f_wu, a_wu), ("fwd_state", f_state, (w, u, qg, kg, aqk, gam)),
-                 ("fwd_state_storing_h_vn", f_state_st, (w, u, qg, kg, aqk, gam)),
-                 ("bwd_state", f_bstate, (qg, w, kg, aqk, gam, do, ht)),
+                 ("fwd_wu", f_wu, a_wu), ("fwd_state", f_state, a_state),
+                 ("fwd_state_storing_h_vn", f_state_st, a_state), ("bwd_state", f_bstate, a_bstate),
                  ("bwd_intra", f_bintra, a_bintra), ("bwd_dqkg", f_dqkg, a_dqkg),
                  ("bwd_pairs", f_bpairs, a_bpairs)]
         for bk, warps, stages in itertools.product(args.block_k or [cfg.bk], args.warps, args.stages):
@@ -242,18 +240,14 @@ def per_kernel(args) -> None:
             var = dataclasses.replace(cfg, warps_state=warps or cfg.warps_state,
                                       stages_state=stages or cfg.stages_state)
             tag = ("" if warps is None else f"_w{warps}") + ("" if stages is None else f"_s{stages}")
-            cases += [(f"fwd_state{tag}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, False)),
-                       (w, u, qg, kg, aqk, gam)),
-                      (f"bwd_state{tag}", jax.jit(functools.partial(_k_bwd_state, kp, var)),
-                       (qg, w, kg, aqk, gam, do, ht))]
+            cases += [(f"fwd_state{tag}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, False)), a_state),
+                      (f"bwd_state{tag}", jax.jit(functools.partial(_k_bwd_state, kp, var)), a_bstate)]
         for bv in args.block_v:  # the sequential kernels at other value blocks (programs = B x H x V / bv)
             var = dataclasses.replace(cfg, bv=bv)
-            cases += [(f"fwd_state_bv{bv}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, False)),
-                       (w, u, qg, kg, aqk, gam)),
+            cases += [(f"fwd_state_bv{bv}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, False)), a_state),
                       (f"fwd_state_storing_h_vn_bv{bv}", jax.jit(functools.partial(_k_fwd_state, kp, var, h0t, True)),
-                       (w, u, qg, kg, aqk, gam)),
-                      (f"bwd_state_bv{bv}", jax.jit(functools.partial(_k_bwd_state, kp, var)),
-                       (qg, w, kg, aqk, gam, do, ht))]
+                       a_state),
+                      (f"bwd_state_bv{bv}", jax.jit(functools.partial(_k_bwd_state, kp, var)), a_bstate)]
         if args.unfused:  # the gate (then also the L2 norm) computed outside the kernels: what fusing costs
             gd = (-5.0 * jax.nn.sigmoid(g.astype(jnp.float32))).astype(bf)  # a log decay in the kernels' range
             for tag, kw in (("nogate", {"gate": None}), ("nogate_nonorm", {"gate": None, "l2norm": False})):

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ling_jax.config import LingConfig
-from ling_jax.ops.kda.api import DEFAULT_CHUNK, GPU_KERNEL_CHUNK
+from ling_jax.ops.kda.api import DEFAULT_CHUNK, kernel_chunk
 from ling_jax.params import ParamSlot, param_slots
 from ling_jax.sharding import AXES, axis_sizes, param_spec, spec
 
@@ -182,18 +182,13 @@ def _largest(candidates: dict[str, float]) -> tuple[str, float]:
     return name, candidates[name]
 
 
-def _kda_chunk(gpu: bool) -> int:
-    """The chunk the model's KDA layers run at in a GPU plan (the kernels: `api.model_chunk`) or a TPU one."""
-    return GPU_KERNEL_CHUNK if gpu else DEFAULT_CHUNK
-
-
 def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, context: int, weights: str = "fp8",
                    prefill_tokens: int = 8192, hbm_gb: float = 141.0, title: str = "", fused_attention: bool = False
                    ) -> Plan:
     """Serving: weights (FP8 kept FP8, or bf16), decode caches for `batch` sequences of `context`
     tokens, and the working set of prefilling `prefill_tokens` tokens per device (one sequence chunk);
     `fused_attention`: a GPU plan - MLA through the fused kernels instead of the materialised softmax,
-    KDA at the kernels' GPU chunk (`_kda_chunk`)."""
+    KDA at the kernels' GPU chunk (`api.kernel_chunk`)."""
     sizes = axis_sizes(mesh)
     plan = Plan(title or f"{cfg.num_hidden_layers}-layer model inference", sizes, hbm_gb * GB)
     per_el = fp8_bytes(cfg) if weights == "fp8" else bf16_bytes
@@ -219,7 +214,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
              f"{n['mla']} layers (incl. MTP) x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
     t = prefill_tokens
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t),
-                            "KDA": kda_buffers(cfg, sizes, t, chunk=_kda_chunk(fused_attention)),
+                            "KDA": kda_buffers(cfg, sizes, t, chunk=kernel_chunk(gpu=fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, 1, t, fused=fused_attention)})
     logits = _div(cfg.vocab_size, sizes, "tensor") * 4  # logits of the last position only
     plan.add("prefill working set", work + t * cfg.hidden_size * 2 * 2 + logits,
@@ -253,7 +248,7 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("saved layer inputs (remat)", n["layers"] * t * cfg.hidden_size * 2,
              f"{n['layers']} layers x {t} tokens/device x D bf16")
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t) + t * cfg.hidden_size * 2 * 6,
-                            "KDA": kda_buffers(cfg, sizes, t, training=True, chunk=_kda_chunk(fused_attention)),
+                            "KDA": kda_buffers(cfg, sizes, t, training=True, chunk=kernel_chunk(gpu=fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, max(1, round(rows)), seq_len,
                                                                     fused=fused_attention)})
     plan.add("one layer recomputed + its grads", 2 * work, f"largest layer: {layer}, x2 (values + grads)")

@@ -41,12 +41,18 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def kernel_chunk(gpu: bool) -> int:
+    """The chunk size the model runs the Pallas kernels at: GPU_KERNEL_CHUNK on a GPU (H200, B=1,
+    T=8192, K=V=128, bf16, same runs: H=64 forward 1.96-2.06 ms at 32 vs 2.69-2.79 at 64,
+    forward+backward 6.43-6.63 vs 8.57-8.61; H=16 0.83-0.96 vs 1.09-1.13 and 2.28-2.51 vs 3.07-3.23;
+    BENCHMARKS.md), DEFAULT_CHUNK on a TPU (not measured there)."""
+    return GPU_KERNEL_CHUNK if gpu else DEFAULT_CHUNK
+
+
 def model_chunk(impl: str) -> int:
-    """The chunk size the model's KDA layers run the resolved `impl` at: GPU_KERNEL_CHUNK for the Pallas
-    kernels on a GPU (H200, B=1, T=8192, K=V=128, bf16, same runs: H=64 forward 1.96-2.06 ms at 32 vs
-    2.69-2.79 at 64, forward+backward 6.43-6.63 vs 8.57-8.61; H=16 0.83-0.96 vs 1.09-1.13 and 2.28-2.51
-    vs 3.07-3.23; BENCHMARKS.md), DEFAULT_CHUNK elsewhere. The result does not depend on it."""
-    return GPU_KERNEL_CHUNK if impl == "pallas" and on_gpu() else DEFAULT_CHUNK
+    """The chunk size the model's KDA layers run the resolved `impl` at on the default backend
+    (`kernel_chunk` for the Pallas kernels, DEFAULT_CHUNK otherwise). The result does not depend on it."""
+    return kernel_chunk(on_gpu()) if impl == "pallas" else DEFAULT_CHUNK
 
 
 def resolve_impl(impl: str, safe_gate: bool = True, supported: bool = True) -> str:

@@ -48,23 +48,25 @@ WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 
 
 def default_tiles(backend: str, chunk: int, dk: int, dv: int, exact: bool = False) -> dict:
-    """The tile defaults of a call: value blocks `bv` (sequential kernels) and `bv_bwd`, key blocks `bk`
-    (pairwise kernels) and `bk_kv`, `warps` per kernel group and the sequential kernels' pipeline
-    `stages_state`; `exact`: float32 inputs. On GPU they are the fastest of the H200 sweeps at B=1,
-    T=8192, K=V=128, bf16 (bench/notes/kda.md): for chunks of 64 and more, 4 warps everywhere, bk 32,
-    64-wide value blocks, 2 stages; for chunks of 32 and less the [C, C] kernels and bwd_dqkg at 2
-    warps, bk 64, and 32-wide value blocks and 3 stages for the sequential kernels (whose step count
-    doubles: more, smaller programs keep more of them in flight). float32 takes bwd_dqkg at 2 warps at
-    every chunk size: at 4 (chunk 64, bk_kv 64, bv_bwd 64) Triton's lowering of it makes misaligned
-    16-byte shared-memory writes (compute-sanitizer on the H200: CUDA_ERROR_MISALIGNED_ADDRESS).
-    TPU: whole key blocks, bv 128."""
+    """The tile defaults of a call, as `Cfg` field values: value blocks `bv` (sequential kernels) and
+    `bv_bwd`, key blocks `bk` (pairwise kernels) and `bk_kv`, `warps_<group>` per kernel group (WARPS)
+    and the sequential kernels' pipeline `stages_state`; `exact`: float32 inputs. On GPU they are the
+    fastest of the H200 sweeps at B=1, T=8192, K=V=128, bf16 (bench/notes/kda.md): for chunks of 64
+    and more, 4 warps everywhere, bk 32, 64-wide value blocks, 2 stages; for chunks of 32 and less the
+    [C, C] kernels and bwd_dqkg at 2 warps, bk 64, and 32-wide value blocks and 3 stages for the
+    sequential kernels (whose step count doubles: more, smaller programs keep more of them in flight).
+    float32 takes bwd_dqkg at 2 warps at every chunk size: at 4 (chunk 64, bk_kv 64, bv_bwd 64)
+    Triton's lowering of it makes misaligned 16-byte shared-memory writes (compute-sanitizer on the
+    H200: CUDA_ERROR_MISALIGNED_ADDRESS). TPU: whole key blocks, bv 128."""
     if backend != "triton":
-        return {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "warps": WARPS, "stages_state": 2}
-    if chunk <= 32:
-        return {"bv": min(dv, 32), "bv_bwd": min(dv, 64), "bk": min(dk, 64), "bk_kv": min(dk, 64),
-                "warps": {**WARPS, "pairs": 2, "dqkg": 2}, "stages_state": 3}
-    return {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64),
-            "warps": {**WARPS, "dqkg": 2} if exact else WARPS, "stages_state": 2}
+        tiles, warps = {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "stages_state": 2}, WARPS
+    elif chunk <= 32:
+        tiles = {"bv": min(dv, 32), "bv_bwd": min(dv, 64), "bk": min(dk, 64), "bk_kv": min(dk, 64), "stages_state": 3}
+        warps = {**WARPS, "pairs": 2, "dqkg": 2}
+    else:
+        tiles = {"bv": min(dv, 64), "bv_bwd": min(dv, 64), "bk": min(dk, 32), "bk_kv": min(dk, 64), "stages_state": 2}
+        warps = {**WARPS, "dqkg": 2} if exact else WARPS
+    return {**tiles, **{f"warps_{group}": n for group, n in warps.items()}}
 
 
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
@@ -620,19 +622,14 @@ def kda_pallas(
     cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
-    tiles = default_tiles(backend, c, dk, dv, exact=cd == "float32")
-    bv = block_v or tiles["bv"]
-    bvb = block_v_bwd or tiles["bv_bwd"]
-    warps = {**tiles["warps"], **(num_warps or {})}
-    if set(warps) != set(WARPS):
+    if set(num_warps or {}) - set(WARPS):
         raise ValueError(f"num_warps keys are {sorted(WARPS)}, got {sorted(num_warps or {})}")
-    bk = block_k or tiles["bk"]
-    bk_kv = block_k_kv or tiles["bk_kv"]
+    given = {"bv": block_v, "bv_bwd": block_v_bwd, "bk": block_k, "bk_kv": block_k_kv,
+             **{f"warps_{group}": n for group, n in (num_warps or {}).items()}}
+    tiles = {**default_tiles(backend, c, dk, dv, exact=cd == "float32"), **{k: v for k, v in given.items() if v}}
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
-              l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, bv=bv,
-              bv_bwd=bvb, bk=bk, bk_kv=bk_kv, **{f"warps_{name}": n for name, n in warps.items()},
-              stages_state=tiles["stages_state"])
+              l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, **tiles)
 
     def pad_t(x):
         if t_pad == t:
