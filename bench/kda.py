@@ -277,6 +277,20 @@ def per_kernel(args) -> None:
             (Path(args.out) / "kda_per_kernel.json").write_text(json.dumps(out, indent=1))
 
 
+def save_autotune(out_dir: Path) -> None:
+    """Copy Triton's autotuning results (FLA's) from TRITON_CACHE_DIR to out_dir/triton_autotune, as soon
+    as FLA has tuned (so a run killed later still hands them back), for the next run to restore."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        return
+    cache = Path(os.environ["TRITON_CACHE_DIR"])
+    tuned = sorted(cache.rglob("*.autotune.json"))
+    for f in tuned:
+        dst = out_dir / "triton_autotune" / f.relative_to(cache)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(f.read_bytes())
+    print(f"saved {len(tuned)} autotuning results to {out_dir / 'triton_autotune'}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -524,6 +538,7 @@ def main() -> None:
         while not (TMP / "fla_tuned").exists() and worker.poll() is None:
             time.sleep(0.5)
         report["fla_autotune_s"] = (TMP / "fla_tuned").read_text() if (TMP / "fla_tuned").exists() else None
+        save_autotune(out_dir)
     for (h, vname), (f1, f2) in fns.items():
         x, do = inputs_by_h[h]
         tok = args.seq * h
@@ -535,6 +550,9 @@ def main() -> None:
         r["fwdbwd_TFLOPs"] = 3 * tok * flop_fwd_tok / r["fwdbwd_ms"] / 1e9
         results[f"H{h}_{vname}"] = r
         print(f"H={h} {vname}: {r}", flush=True)
+
+    report["results"] = results  # written now too: a run killed during FLA's part keeps ours
+    (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
 
     # ---- 5. FLA ------------------------------------------------------------------------------
     if worker is not None:
@@ -567,14 +585,6 @@ def main() -> None:
     (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
     if (TMP / "fla_worker.log").exists():
         (out_dir / "fla_worker.log").write_text((TMP / "fla_worker.log").read_text())
-    if os.environ.get("TRITON_CACHE_DIR") and worker is not None:
-        cache = Path(os.environ["TRITON_CACHE_DIR"])
-        tuned = sorted(cache.rglob("*.autotune.json"))
-        for f in tuned:
-            dst = out_dir / "triton_autotune" / f.relative_to(cache)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(f.read_bytes())
-        print(f"saved {len(tuned)} autotuning results to {out_dir / 'triton_autotune'}")
     print("\n=== summary (ms) ===")
     for key, r in results.items():
         print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
