@@ -144,7 +144,7 @@ def _k_fwd_pairs(kp, cfg, store, *a):
 
 
 def _k_fwd_wu(kp, cfg, *a):
-    return kp._fwd_wu(cfg, *a[:7], (), a[7])
+    return kp._fwd_wu(cfg, *a[:7], (), *a[7:])
 
 
 def _k_fwd_state(kp, cfg, h0t, store, *a):
@@ -194,9 +194,11 @@ def per_kernel(args) -> None:
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
         f_pairs = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, False))
         f_pairs_st = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, True))
-        aqk, mmat, at = f_pairs_st(q, k, g, beta, al, dtb)
+        aqk, mmat, *gated, at = f_pairs_st(q, k, g, beta, al, dtb)  # gated: W's operand, Qg, Kg, gamma
         f_wu = jax.jit(functools.partial(_k_fwd_wu, kp, cfg))
-        w, u, qg, kg, gam = f_wu(q, k, v, g, beta, al, dtb, mmat)
+        a_wu = (q, k, v, g, beta, al, dtb, mmat, *gated[:1])
+        w, u, *wu_gated = f_wu(*a_wu)
+        qg, kg, gam = gated[1:] or wu_gated
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
         o, ht, hs, vn = f_state_st(w, u, qg, kg, aqk, gam)
@@ -210,7 +212,6 @@ def per_kernel(args) -> None:
         dqp, dkp, dgp, _ = f_dqkg(*a_dqkg)
         f_bpairs = jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, cfg))
         a_pairs = (q, k, g, beta, al, dtb)
-        a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
         a_state = (w, u, qg, kg, aqk, gam)
@@ -311,6 +312,8 @@ def main() -> None:
                          '"block_v": 64}\' (repeatable)')
     ap.add_argument("--checks-only", action="store_true", help="only the GPU checks against the reference")
     ap.add_argument("--fla-worker", action="store_true")
+    ap.add_argument("--profile", metavar="DIR", help="also trace ours (every variant, forward and forward+backward) "
+                    "and record each launch's device time in the run (no dispatch in it)")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
     ap.add_argument("--block-k", type=int, nargs="*", default=[],
                     help="--per-kernel: also time the chunk-parallel kernels at these key blocks (default: Cfg's)")
@@ -551,6 +554,19 @@ def main() -> None:
         results[f"H{h}_{vname}"] = r
         print(f"H={h} {vname}: {r}", flush=True)
 
+    if args.profile:  # where the time goes inside one call: each launch's device time, in place
+        from bench.device_profile import device_profile
+
+        for (h, vname), (f1, f2) in fns.items():
+            if vname == "chunked":
+                continue
+            x, do = inputs_by_h[h]
+            for tag, fn in (("fwd", lambda f1=f1, x=x: f1(*x)), ("fwdbwd", lambda f2=f2, x=x, do=do: f2(*x, do))):
+                prof = device_profile(fn, f"{args.profile}/H{h}_{vname}_{tag}", calls=5, top=12)
+                results[f"H{h}_{vname}"][f"{tag}_profile"] = {
+                    "device_busy_ms": prof["device_busy_s_per_call"] * 1e3,
+                    "kernels": {r["name"][:60]: round(r["total_ms_per_call"], 4) for r in prof["top_kernels"]}}
+                print(f"H={h} {vname} {tag} profile:", results[f"H{h}_{vname}"][f"{tag}_profile"], flush=True)
     report["results"] = results  # written now too: a run killed during FLA's part keeps ours
     (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
 

@@ -110,8 +110,8 @@ def test_kda_bench_runs(tmp_path):
         assert res[f"{name}_ms"] > 0, name
     subprocess.run([sys.executable, str(root / "bench" / "kda.py"), *tiny, "--check-seq", "40", "--no-fla",
                     "--no-chunked", "--chunks", "32", "--copy-gib", "0.01", "--mm", "128",
-                    "--variant", 'chunk32_bv16={"chunk_size": 32, "block_v": 16}', "--out", str(tmp_path)],
-                   check=True, timeout=900, env=env)
+                    "--variant", 'chunk32_bv16={"chunk_size": 32, "block_v": 16}', "--profile", str(tmp_path / "prof"),
+                    "--out", str(tmp_path)], check=True, timeout=900, env=env)
     report = json.loads((tmp_path / "kda_bench.json").read_text())
     checks = report["checks_vs_reference"]
     assert not [k for k in checks if k.endswith("error")], checks
@@ -119,3 +119,6 @@ def test_kda_bench_runs(tmp_path):
     assert len(exact) == 20 and all(v < 1e-4 for v in exact.values()), exact  # 2 chunk sizes x 10
     assert all(v < 1e-2 for k, v in checks.items() if "bf16" in k), checks
     assert {"H1_default", "H1_chunk32", "H1_chunk32_bv16"} <= set(report["results"])
+    # traced (the CPU trace has no device plane: the per-launch table itself fills only on a GPU)
+    assert {"device_busy_ms", "kernels"} <= set(report["results"]["H1_chunk32"]["fwdbwd_profile"])
+    assert list((tmp_path / "prof" / "H1_chunk32_fwdbwd").rglob("*.xplane.pb"))
