@@ -52,7 +52,7 @@ TMP = Path("/tmp/kda_bench")
 # ------------------------------------------------------------------------------------------------
 
 
-def fla_worker(heads: list[int], seq: int, dk: int) -> None:
+def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path) -> None:
     import torch
     import triton
     from fla.ops.kda import chunk_kda
@@ -78,6 +78,31 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
         dt_bias = torch.randn(h * dk, device="cuda", generator=gen)
         return [q, k, v, g, beta, a_log, dt_bias]
 
+    def sync_ms(f, n: int = 20) -> float:
+        """Median wall time of single calls, each followed by a synchronize (as ours: block_until_ready)."""
+        for _ in range(3):
+            f()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts) * 1e3)
+
+    def pipelined_ms(f, n: int = 20, rounds: int = 5) -> float:
+        """Per-call wall time of n back-to-back calls and one synchronize, median of `rounds` (as ours)."""
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) / n)
+        return float(np.median(ts) * 1e3)
+
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for h in heads:  # autotune: first calls of forward and backward for this shape
@@ -86,6 +111,7 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
         torch.autograd.grad(o, xs, torch.randn_like(o), allow_unused=True)
         torch.cuda.synchronize()
         say(f"tuned H={h} at {time.time() - t0:.1f}s")
+        save_autotune(out_dir)  # per head count: a run killed during the next one keeps these
     (TMP / "fla_tuned").write_text(f"{time.time() - t0:.1f}")
     while not (TMP / "fla_go").exists():
         time.sleep(0.2)
@@ -112,6 +138,9 @@ def fla_worker(heads: list[int], seq: int, dk: int) -> None:
                   for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd))}
         res[f"H{h}"] = {f"{name}_ms": float(np.median(r)) for name, r in rounds.items()}
         res[f"H{h}"].update({f"{name}_ms_rounds": r for name, r in rounds.items()})
+        for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):  # the JAX side's two methods, for like-for-like ratios
+            res[f"H{h}"][f"{name}_sync_ms"] = sync_ms(f)
+            res[f"H{h}"][f"{name}_pipelined_ms"] = pipelined_ms(f)
         say(f"timed H={h}: {res[f'H{h}']}")
         # our inputs, same values: output and gradients for the agreement check
         d = np.load(TMP / f"inputs_H{h}.npz")
@@ -144,7 +173,7 @@ def _k_fwd_pairs(kp, cfg, store, *a):
 
 
 def _k_fwd_wu(kp, cfg, *a):
-    return kp._fwd_wu(cfg, *a[:7], (), *a[7:])
+    return kp._fwd_wu(cfg, *a[:7], (), a[7])
 
 
 def _k_fwd_state(kp, cfg, h0t, store, *a):
@@ -194,11 +223,10 @@ def per_kernel(args) -> None:
         h0t = jnp.zeros((1, h, kd, kd), jnp.float32)
         f_pairs = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, False))
         f_pairs_st = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, True))
-        aqk, mmat, *gated, at = f_pairs_st(q, k, g, beta, al, dtb)  # gated: W's operand, Qg, Kg, gamma
+        aqk, mmat, at = f_pairs_st(q, k, g, beta, al, dtb)
         f_wu = jax.jit(functools.partial(_k_fwd_wu, kp, cfg))
-        a_wu = (q, k, v, g, beta, al, dtb, mmat, *gated[:1])
-        w, u, *wu_gated = f_wu(*a_wu)
-        qg, kg, gam = gated[1:] or wu_gated
+        a_wu = (q, k, v, g, beta, al, dtb, mmat)
+        w, u, qg, kg, gam = f_wu(*a_wu)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
         o, ht, hs, vn = f_state_st(w, u, qg, kg, aqk, gam)
@@ -332,7 +360,7 @@ def main() -> None:
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
     if args.fla_worker:
-        fla_worker(args.heads, args.seq, args.dk)
+        fla_worker(args.heads, args.seq, args.dk, Path(args.out))
         return
     if args.per_kernel:
         per_kernel(args)
@@ -343,7 +371,7 @@ def main() -> None:
     worker = None
     if not args.no_fla and not args.checks_only:
         worker = subprocess.Popen([sys.executable, __file__, "--fla-worker", "--heads", *map(str, args.heads),
-                                   "--seq", str(args.seq), "--dk", str(args.dk)])
+                                   "--seq", str(args.seq), "--dk", str(args.dk), "--out", args.out])
     t_start = time.time()
 
     import jax
@@ -366,8 +394,10 @@ def main() -> None:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "shapes": {"B": 1, "T": args.seq, "K": args.dk, "V": args.dk, "heads": args.heads, "dtype": "bfloat16"},
-        "timing": "median of 20 warmed-up calls, each followed by block_until_ready (JAX); "
-                  "triton.testing.do_bench median (FLA)",
+        "timing": "*_ms: median of 20 (fwd) / 10 (fwdbwd) warmed-up calls, each followed by block_until_ready "
+                  "(JAX) or torch.cuda.synchronize (FLA's *_sync_ms); *_pipelined_ms: per call of 20 / 10 "
+                  "back-to-back calls and one wait, median of 5 rounds (both); FLA's *_ms: "
+                  "triton.testing.do_bench median (CUDA events, L2 flushed before each call)",
     }
 
     def rel(a, b) -> float:
@@ -383,6 +413,20 @@ def main() -> None:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*a))
             ts.append(time.perf_counter() - t0)
+        return float(np.median(ts) * 1e3)
+
+    def timeit_pipelined(fn, *a, n=20, rounds=5) -> float:
+        """Per-call time of n back-to-back calls with one block_until_ready at the end (median of
+        `rounds`): the device time per call plus launch gaps, without a host round trip per call."""
+        for _ in range(3):
+            jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = fn(*a)
+            jax.block_until_ready(out)  # one stream: the last call done means all are
+            ts.append((time.perf_counter() - t0) / n)
         return float(np.median(ts) * 1e3)
 
     def inputs(key, b, t, h, dk, dtype):
@@ -443,37 +487,42 @@ def main() -> None:
             out[f"{tag}bf16_fwd_o_vs_fp32_reference"] = rel(ob, d["rb"])
         return out
 
-    checks = {}
-    chunk_kws = [("", {})] + [(f"chunk{c}_", {"chunk_size": c}) for c in args.chunks]
-    for tag, kw in chunk_kws:  # the default chunk, then each extra one
-        try:
-            if args.no_checks:
-                raise RuntimeError("skipped (--no-checks)")
-            checks.update(gpu_checks(kw, tag))
-        except Exception as e:  # keep going: the timings are still worth having
-            checks[f"{tag}error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-    report["checks_vs_reference"] = checks
-    print("checks", json.dumps(checks, indent=1), flush=True)
+    def checks_and_ceilings() -> None:
+        """The GPU checks against the reference, then the copy and matmul ceilings (run once FLA has tuned:
+        its autotuning benchmarks then have the GPU to themselves)."""
+        checks = {}
+        chunk_kws = [("", {})] + [(f"chunk{c}_", {"chunk_size": c}) for c in args.chunks]
+        for tag, kw in chunk_kws:  # the default chunk, then each extra one
+            try:
+                if args.no_checks:
+                    raise RuntimeError("skipped (--no-checks)")
+                checks.update(gpu_checks(kw, tag))
+            except Exception as e:  # keep going: the timings are still worth having
+                checks[f"{tag}error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        report["checks_vs_reference"] = checks
+        print("checks", json.dumps(checks, indent=1), flush=True)
+
+        # ---- 3. ceilings -------------------------------------------------------------------------
+        n_copy = int(args.copy_gib * (1 << 29))  # bf16 elements
+        big = jnp.ones((n_copy,), jnp.bfloat16) * 1.5
+        copy_ms = timeit(jax.jit(lambda a: a * jnp.bfloat16(2.0)), big, n=10)
+        del big
+        nm = args.mm
+        a = jax.random.normal(jax.random.PRNGKey(0), (nm, nm), jnp.bfloat16)
+        b2 = jax.random.normal(jax.random.PRNGKey(1), (nm, nm), jnp.bfloat16)
+        mm_ms = timeit(jax.jit(lambda a, b: a @ b), a, b2, n=10)
+        del a, b2
+        report["ceilings"] = {
+            "copy_GiB": args.copy_gib, "copy_ms": copy_ms,
+            "copy_GBps_read_plus_write": 2 * 2 * n_copy / copy_ms / 1e6,
+            "matmul_n": nm, "matmul_bf16_ms": mm_ms, "matmul_TFLOPs": 2 * nm ** 3 / mm_ms / 1e9,
+        }
+        print("ceilings", report["ceilings"], flush=True)
+
     if args.checks_only:
+        checks_and_ceilings()
         (out_dir / "kda_bench.json").write_text(json.dumps(report, indent=1))
         return
-
-    # ---- 3. ceilings -------------------------------------------------------------------------
-    n_copy = int(args.copy_gib * (1 << 29))  # bf16 elements
-    big = jnp.ones((n_copy,), jnp.bfloat16) * 1.5
-    copy_ms = timeit(jax.jit(lambda a: a * jnp.bfloat16(2.0)), big, n=10)
-    del big
-    nm = args.mm
-    a = jax.random.normal(jax.random.PRNGKey(0), (nm, nm), jnp.bfloat16)
-    b2 = jax.random.normal(jax.random.PRNGKey(1), (nm, nm), jnp.bfloat16)
-    mm_ms = timeit(jax.jit(lambda a, b: a @ b), a, b2, n=10)
-    del a, b2
-    report["ceilings"] = {
-        "copy_GiB": args.copy_gib, "copy_ms": copy_ms,
-        "copy_GBps_read_plus_write": 2 * 2 * n_copy / copy_ms / 1e6,
-        "matmul_n": nm, "matmul_bf16_ms": mm_ms, "matmul_TFLOPs": 2 * nm ** 3 / mm_ms / 1e9,
-    }
-    print("ceilings", report["ceilings"], flush=True)
 
     # ---- 4. compile + time ours --------------------------------------------------------------
     have_chunked = Path(__file__).resolve().parents[1].joinpath("ling_jax/ops/kda/chunked.py").exists()
@@ -542,11 +591,13 @@ def main() -> None:
             time.sleep(0.5)
         report["fla_autotune_s"] = (TMP / "fla_tuned").read_text() if (TMP / "fla_tuned").exists() else None
         save_autotune(out_dir)
+    checks_and_ceilings()
     for (h, vname), (f1, f2) in fns.items():
         x, do = inputs_by_h[h]
         tok = args.seq * h
         bytes_min = tok * (2 * 4 * kd + 2 + 2 * kd) + h * kd * kd * 4
-        r = {"fwd_ms": timeit(f1, *x), "fwdbwd_ms": timeit(f2, *x, do, n=10)}
+        r = {"fwd_ms": timeit(f1, *x), "fwdbwd_ms": timeit(f2, *x, do, n=10),
+             "fwd_pipelined_ms": timeit_pipelined(f1, *x), "fwdbwd_pipelined_ms": timeit_pipelined(f2, *x, do, n=10)}
         r["fwd_GBps_min_bytes"] = bytes_min / r["fwd_ms"] / 1e6
         r["fwdbwd_GBps_min_bytes"] = 3 * bytes_min / r["fwdbwd_ms"] / 1e6
         r["fwd_TFLOPs"] = tok * flop_fwd_tok / r["fwd_ms"] / 1e9
@@ -593,8 +644,13 @@ def main() -> None:
                     report[f"agreement_vs_fla_H{h}" + ("" if vname == "default" else f"_{vname}")] = agree
                     ours_r = results.get(f"H{h}_{vname}", {})
                     if "fwd_ms" in ours_r and f"H{h}" in fr:
-                        ours_r["fwd_ratio_to_fla"] = ours_r["fwd_ms"] / fr[f"H{h}"]["fwd_ms"]
-                        ours_r["fwdbwd_ratio_to_fla"] = ours_r["fwdbwd_ms"] / fr[f"H{h}"]["fwdbwd_ms"]
+                        theirs = fr[f"H{h}"]
+                        for m in ("fwd", "fwdbwd"):  # ours against do_bench, then each method against itself
+                            ours_r[f"{m}_ratio_to_fla"] = ours_r[f"{m}_ms"] / theirs[f"{m}_ms"]
+                            if f"{m}_sync_ms" in theirs:
+                                ours_r[f"{m}_ratio_to_fla_sync"] = ours_r[f"{m}_ms"] / theirs[f"{m}_sync_ms"]
+                                ours_r[f"{m}_ratio_to_fla_pipelined"] = (ours_r[f"{m}_pipelined_ms"]
+                                                                         / theirs[f"{m}_pipelined_ms"])
         else:
             report["fla"] = {"error": "worker produced no result; see fla_worker.log"}
     report["results"] = results

@@ -174,67 +174,47 @@ def _num_heads(cfg: Cfg, x: jax.Array) -> tuple[int, int]:
     return x.shape[0], x.shape[2] if cfg.layout == "bthd" else x.shape[1]
 
 
-def _gated_shapes(cfg: Cfg, b: int, h: int) -> tuple[list[jax.ShapeDtypeStruct], list[pl.BlockSpec]]:
-    """Qg, Kg [.., K] per token (compute dtype) and gamma [B, H, NT, 1, K] (float32): shapes and specs."""
-    cd, dk = jnp.dtype(cfg.cd), cfg.dk
-    return ([jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd)] * 2
-            + [jax.ShapeDtypeStruct((b, h, cfg.n_chunks, 1, dk), F32)],
-            [_tok(cfg, dk)] * 2 + [_chk(1, dk)])
-
-
 def _fwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, store_at: bool):
-    """Aqk (compute dtype), M (float32) [.., C] per token; with `cfg.gated_in_pairs` then W's operand,
-    Qg, Kg (compute dtype) and gamma; last At (float32) when `store_at`."""
+    """Aqk (compute dtype), M (float32) [, At (float32) when `store_at`], [.., C] per token."""
     b, h = _num_heads(cfg, q)
     c = cfg.chunk
     out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), jnp.dtype(cfg.cd)),
                  jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, c), F32)]
-    out_specs = [_tok(cfg, c)] * 2
-    if cfg.gated_in_pairs:
-        shapes, specs = _gated_shapes(cfg, b, h)
-        out_shape += [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, cfg.dk), jnp.dtype(cfg.cd)), *shapes]
-        out_specs += [_tok(cfg, cfg.dk), *specs]
-    if store_at:
-        out_shape.append(out_shape[1])
-        out_specs.append(_tok(cfg, c))
+    out_shape += out_shape[1:] if store_at else []
     return pl.pallas_call(
         functools.partial(pc.fwd_pairs_kernel, cfg, store_at),
         out_shape=out_shape,
         grid=(b, h, cfg.n_chunks),
         in_specs=_input_specs(cfg),
-        out_specs=out_specs,
+        out_specs=[_tok(cfg, c)] * len(out_shape),
         compiler_params=_compiler_params(cfg, cfg.warps_pairs, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_pairs",
     )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks))
 
 
-def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat, kw=None):
-    """W, U (compute dtype) from part 1's M: from W's operand `kw` when `cfg.gated_in_pairs` (q, k, g,
-    a_log, dt and masks unused), else from the inputs, then also Qg, Kg and gamma [B, H, NT, 1, K]."""
-    b, h = _num_heads(cfg, v)
-    c, dk, dv = cfg.chunk, cfg.dk, cfg.dv
+def _fwd_wu(cfg: Cfg, q, k, v, g, beta, a_log, dt, masks, mmat):
+    """W, U, Qg, Kg (compute dtype) and gamma [B, H, NT, 1, K] from part 1's M."""
+    b, h = _num_heads(cfg, q)
+    c, dk, dv, nt = cfg.chunk, cfg.dk, cfg.dv, cfg.n_chunks
     cd = jnp.dtype(cfg.cd)
-    out_shape = [jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, d), cd) for d in (dk, dv)]
-    out_specs = [_tok(cfg, dk), _tok(cfg, dv)]
-    if cfg.gated_in_pairs:
-        in_specs, args = [_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, 1), _tok(cfg, c)], (kw, v, beta, mmat)
-    else:
-        shapes, specs = _gated_shapes(cfg, b, h)
-        out_shape += shapes
-        out_specs += specs
-        in_specs = [*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)]
-        args = (*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
+    out_shape = [
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # W
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dv), cd),  # U
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Qg
+        jax.ShapeDtypeStruct(_tok_shape(cfg, b, h, dk), cd),  # Kg
+        jax.ShapeDtypeStruct((b, h, nt, 1, dk), F32),  # gamma
+    ]
     return pl.pallas_call(
         functools.partial(pc.fwd_wu_kernel, cfg),
         out_shape=out_shape,
-        grid=(b, h, cfg.n_chunks),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        grid=(b, h, nt),
+        in_specs=[*_input_specs(cfg), _tok(cfg, dv), _tok(cfg, c)],
+        out_specs=[_tok(cfg, dk), _tok(cfg, dv), _tok(cfg, dk), _tok(cfg, dk), _chk(1, dk)],
         compiler_params=_compiler_params(cfg, cfg.warps_wu, cfg.stages_chunk),
         interpret=cfg.interpret,
         name="kda_fwd_wu",
-    )(*args)
+    )(*_inputs(cfg, q, k, g, beta, a_log, dt, masks), v, mmat)
 
 
 def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, store_vn: bool):
@@ -500,13 +480,8 @@ def _bwd_pairs(cfg: Cfg, q, k, g, beta, a_log, dt, masks, norms, x, y, dqp, dkp,
 def _run_forward(cfg: Cfg, q, k, v, g, beta, h0t, a_log, dt, masks, states: bool, for_grad: bool):
     """The three forward launches; `states`: also the chunk states, `for_grad`: also the backward's
     residuals (At, the chunk states, V')."""
-    aqk, mmat, *rest = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
-    if cfg.gated_in_pairs:
-        kw, qg, kg, gam, *at = rest
-        w, u = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat, kw)
-    else:
-        at = rest
-        w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
+    aqk, mmat, *at = _fwd_pairs(cfg, q, k, g, beta, a_log, dt, masks, store_at=for_grad)
+    w, u, qg, kg, gam = _fwd_wu(cfg, q, k, v, g, beta, a_log, dt, masks, mmat)
     outs = _fwd_state(cfg, w, u, qg, kg, aqk, gam, h0t, v.dtype, store_h=states or for_grad, store_vn=for_grad)
     return outs, (w, qg, kg, aqk, gam, mmat, *at)
 
@@ -613,7 +588,6 @@ def kda_pallas(
     num_warps: Mapping[str, int] | None = None,
     block_k: int | None = None,
     block_k_kv: int | None = None,
-    gated_in_pairs: bool = True,
 ) -> tuple[jax.Array, ...]:
     """KDA with the keyword signature of `reference.kda_reference`, plus the fused gate/L2 norm.
 
@@ -655,8 +629,7 @@ def kda_pallas(
     tiles = {**default_tiles(backend, c, dk, dv, exact=cd == "float32"), **{k: v for k, v in given.items() if v}}
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
-              l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd,
-              gated_in_pairs=gated_in_pairs, **tiles)
+              l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, **tiles)
 
     def pad_t(x):
         if t_pad == t:

@@ -95,7 +95,6 @@ class Cfg:
     warps_bwd_pairs: int = 4  # bwd_pairs
     stages_state: int = 2
     stages_chunk: int = 1  # software-pipelining stages of the chunk-parallel kernels' column loops
-    gated_in_pairs: bool = True  # fwd_pairs writes Qg, Kg, gamma and W's operand; fwd_wu only forms W, U
 
     def __post_init__(self) -> None:
         for name in ("bk", "bk_kv"):
@@ -443,23 +442,7 @@ class Pairs:
     aqk: jax.Array | None
 
 
-def gated(cfg: Cfg, p: Prep, G: jax.Array, G_last: jax.Array, coef: jax.Array, m: jax.Array | None,
-          e: jax.Array | None) -> tuple[jax.Array, ...]:
-    """The gated [C, bk] forms of one block of key columns the sequential kernels and W need:
-    W's operand coef exp(G) k (coef = beta m), Qg = scale m exp(G) q, Kg = e exp(G_last - G) k and
-    gamma = m_last exp(G_last) [1, bk]."""
-    eg = jnp.exp(G)  # underflows to 0 only where the decay itself does
-    qg = cfg.scale * eg * p.q
-    kappa = jnp.exp(G_last - G)
-    gam = jnp.exp(G_last)
-    if m is not None:
-        qg = qg * m
-        kappa = kappa * e
-        gam = gam * row(m, cfg.chunk - 1)
-    return coef * eg * p.k, qg, p.k * kappa, gam
-
-
-def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool, emit=None) -> Pairs:
+def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool) -> Pairs:
     """At (and Aqk) of one chunk, accumulated over blocks of `cfg.bk` key columns.
 
     A first loop sums the squares of q and k for the L2 norms (they need every column); the second
@@ -467,8 +450,7 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool, emit=None)
     cumulative sum for those channels (both are per channel), and adds the block's share of every
     pairwise product: for each sub-chunk a, rows a of At are (k_a E_a) [16, bk] times
     (k exp(r_a - G))^T [bk, C] (the same right factor serves Aqk). Normalising before the products
-    keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude. `emit(cols, p, d)`,
-    when given, is called on each block's `Prep` and `Decay` (to write per-column outputs)."""
+    keeps every term of the sums below exp(EXP_CAP), whatever the inputs' magnitude."""
     n, c = cfg.chunk // BC, cfg.chunk
     ci = _chunk_index()
     rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
@@ -478,8 +460,6 @@ def chunk_pairs(cfg: Cfg, ins, seg: jax.Array | None, with_aqk: bool, emit=None)
         at, aqk = carry
         p = block_prep(cfg, ins, ci, cols, rq, rk)
         d = decay(cfg, p.g)
-        if emit is not None:
-            emit(cols, p, d)
         ke = split_rows(cfg, p.k * d.E, n)
         qe = split_rows(cfg, p.q * d.E, n) if with_aqk else None
         at_new, aqk_new = [], []
@@ -505,64 +485,54 @@ def fwd_pairs_kernel(cfg: Cfg, store_at: bool, *refs):
 
     Reads q, k, the gate input, beta (and a_log, dt_bias, segment masks); computes the gate, the L2
     norms, the in-chunk cumulative decay, At and Aqk (`chunk_pairs`) and the triangular inverse M
-    (`solve`); writes Aqk (compute dtype), M (float32), with `cfg.gated_in_pairs` W's operand, Qg, Kg
-    (compute dtype) and gamma from the same key loop (`gated`), and, for the backward, At (float32).
+    (`solve`); writes Aqk (compute dtype), M (float32) and, for the backward, At (float32).
     The [C, C] products live in their own launch: their registers would otherwise limit the
     [C, K]-level kernel below to two 4-warp programs per SM.
     """
     ins, i = _unpack_inputs(cfg, list(refs))
     aqk_ref, m_ref = refs[i:i + 2]
-    m, e, s = _masks(cfg, ins)
-    beta = ins[3][...].astype(F32)
-    emit = None
-    if cfg.gated_in_pairs:
-        outs = refs[i + 2:i + 6]
-        coef = beta if m is None else beta * m
-
-        def emit(cols, p, d):
-            for ref, x in zip(outs, gated(cfg, p, d.G, d.G_last, coef, m, e), strict=True):
-                ref[:, cols] = x.astype(ref.dtype)
-
-    pr = chunk_pairs(cfg, ins, s, with_aqk=True, emit=emit)
-    m_ref[...] = solve(cfg, pr.at, beta)
+    pr = chunk_pairs(cfg, ins, _masks(cfg, ins)[2], with_aqk=True)
+    m_ref[...] = solve(cfg, pr.at, ins[3][...].astype(F32))
     aqk_ref[...] = (cfg.scale * pr.aqk).astype(aqk_ref.dtype)
     if store_at:
-        refs[-1][...] = pr.at
+        refs[i + 2][...] = pr.at
 
 
 def fwd_wu_kernel(cfg: Cfg, *refs):
     """Chunk-parallel forward, part 2: the [C, K] level, from part 1's M.
 
-    With `cfg.gated_in_pairs` reads W's operand (written by part 1), v, beta and M; writes
-    W = M (coef exp(G) k) per block of key columns and U = M diag(beta) v [C, V] per block of value
-    columns. Otherwise reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M, and
-    also writes Qg, Kg [C, K] and gamma [1, K] (the gate, norms and cumulative sum recomputed).
+    Reads q, k, v, the gate input, beta (a_log, dt_bias, segment masks) and M; writes
+    W = M diag(beta m) (exp(G) * k), Qg, Kg [C, K], gamma [1, K] per block of key columns (the
+    gate, norms and cumulative sum recomputed: elementwise work and a column scan) and
+    U = M diag(beta) v [C, V] per block of value columns.
     """
-    if cfg.gated_in_pairs:
-        kw_ref, v_ref, beta_ref, mm_ref, w_ref, u_ref = refs
-        beta = beta_ref[...].astype(F32)
+    ins, i = _unpack_inputs(cfg, list(refs))
+    v_ref, mm_ref = refs[i:i + 2]
+    w_ref, u_ref, qg_ref, kg_ref, gam_ref = refs[i + 2:i + 7]
+    c = cfg.chunk
+    m, e, _ = _masks(cfg, ins)
+    rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
+    beta = ins[3][...].astype(F32)
+    coef = beta if m is None else beta * m
+    ci = _chunk_index()
 
-        def key_block(cols, carry):
-            w_ref[:, cols] = mm(cfg, mm_ref[...], kw_ref[:, cols]).astype(w_ref.dtype)
-            return carry
-    else:
-        ins, i = _unpack_inputs(cfg, list(refs))
-        v_ref, mm_ref = refs[i:i + 2]
-        w_ref, u_ref, *outs = refs[i + 2:i + 7]
-        m, e, _ = _masks(cfg, ins)
-        rq, rk = inv_norms(cfg, ins) if cfg.l2norm else (None, None)
-        beta = ins[3][...].astype(F32)
-        coef = beta if m is None else beta * m
-        ci = _chunk_index()
-
-        def key_block(cols, carry):
-            p = block_prep(cfg, ins, ci, cols, rq, rk)
-            G = cumsum_rows(cfg, p.g)
-            kw, *xs = gated(cfg, p, G, row(G, cfg.chunk - 1), coef, m, e)
-            w_ref[:, cols] = mm(cfg, mm_ref[...], kw).astype(w_ref.dtype)
-            for ref, x in zip(outs, xs, strict=True):
-                ref[:, cols] = x.astype(ref.dtype)
-            return carry
+    def key_block(cols, carry):
+        p = block_prep(cfg, ins, ci, cols, rq, rk)
+        G = cumsum_rows(cfg, p.g)
+        G_last = row(G, c - 1)
+        eg = jnp.exp(G)  # underflows to 0 only where the decay itself does
+        w_ref[:, cols] = mm(cfg, mm_ref[...], coef * eg * p.k).astype(w_ref.dtype)
+        qg = cfg.scale * eg * p.q
+        kappa = jnp.exp(G_last - G)
+        gam = jnp.exp(G_last)
+        if m is not None:
+            qg = qg * m
+            kappa = kappa * e
+            gam = gam * row(m, c - 1)
+        qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+        kg_ref[:, cols] = (p.k * kappa).astype(kg_ref.dtype)
+        gam_ref[:, cols] = gam
+        return carry
 
     def value_block(cols, carry):
         u_ref[:, cols] = mm(cfg, mm_ref[...], beta * v_ref[:, cols].astype(F32)).astype(u_ref.dtype)
