@@ -307,17 +307,23 @@ def per_kernel(args) -> None:
 
 
 def save_autotune(out_dir: Path) -> None:
-    """Copy Triton's autotuning results (FLA's) from TRITON_CACHE_DIR to out_dir/triton_autotune, as soon
-    as FLA has tuned (so a run killed later still hands them back), for the next run to restore."""
+    """Archive Triton's autotuning results (FLA's) from TRITON_CACHE_DIR as out_dir/triton_autotune.tgz (one
+    file: the device tool hands back a limited number of files), for the next run to restore with
+    `tar -xzf triton_autotune.tgz -C $TRITON_CACHE_DIR`. Called as soon as FLA has tuned each head count,
+    so a run killed later still hands them back."""
     if not os.environ.get("TRITON_CACHE_DIR"):
         return
+    import tarfile
+
     cache = Path(os.environ["TRITON_CACHE_DIR"])
     tuned = sorted(cache.rglob("*.autotune.json"))
-    for f in tuned:
-        dst = out_dir / "triton_autotune" / f.relative_to(cache)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(f.read_bytes())
-    print(f"saved {len(tuned)} autotuning results to {out_dir / 'triton_autotune'}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "triton_autotune.tgz.part"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in tuned:
+            tar.add(f, arcname=str(f.relative_to(cache)))
+    tmp.replace(out_dir / "triton_autotune.tgz")
+    print(f"saved {len(tuned)} autotuning results to {out_dir / 'triton_autotune.tgz'}", flush=True)
 
 
 def main() -> None:
