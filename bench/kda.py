@@ -6,20 +6,21 @@ Run on the GPU machine (FLA wheel carried in .whl/, see bench/notes/kda.md):
 
 One run does, in this order:
   1. starts a worker process that imports FLA (torch + Triton) and runs `chunk_kda` forward and
-     forward+backward once per head count, which triggers FLA's autotuning, while this process
-     compiles and checks the JAX side (the two overlap: autotuning is mostly Triton compilation);
-  2. checks our GPU kernels against the reference recurrence (fp32: forward and all gradients;
-     bf16: forward), on the GPU;
+     forward+backward once per head count, which triggers FLA's autotuning (~5 minutes per head count
+     on a fresh H200), while this process compiles the JAX side (CPU work: the two overlap); with
+     TRITON_CACHE_DIR set, the worker archives Triton's autotuning results after each head count as
+     $OUT/triton_autotune.tgz (restored into TRITON_CACHE_DIR on a machine with the same Triton and
+     FLA, it spares the next run the autotune; `--fla-tune-only` does just this part);
+  2. once the worker is tuned (the GPU is then ours), checks our GPU kernels against the reference
+     recurrence (fp32: forward and all gradients; bf16: forward);
   3. measures the card's ceilings: a 4 GiB device-to-device copy (bytes read + written) and an
      8192^3 bf16 matmul;
-  4. after the worker reports it is tuned (the GPU is then idle), times ours (forward, forward +
-     backward) and the chunked XLA path: median of warmed-up calls, each with block_until_ready;
-  5. tells the worker to time FLA (triton.testing.do_bench, median) and to run FLA once on our
-     inputs; compares its output and gradients with ours (relative L2);
-  6. writes $OUT/kda_bench.json and prints a table; with TRITON_CACHE_DIR set, copies Triton's
-     autotuning results (`*.autotune.json`, FLA caches them: FLA_CACHE_RESULTS) to
-     $OUT/triton_autotune/. Copied back into TRITON_CACHE_DIR on a machine with the same Triton and
-     FLA, they spare the next run FLA's ~8-minute autotune.
+  4. times ours (forward, forward + backward) and the chunked XLA path two ways: median of warmed-up
+     calls, each followed by block_until_ready, and per call of back-to-back calls with one wait;
+     `--profile DIR` also records each launch's device time inside the calls;
+  5. tells the worker to time FLA the same two ways and with triton.testing.do_bench, and to run FLA
+     once on our inputs; compares its output and gradients with ours (relative L2);
+  6. writes $OUT/kda_bench.json (ours also before step 5) and prints a table.
 
 Byte and FLOP counts (per token and head, C = 64, bf16 inputs): bytes_min = 2 (3K + V) + 2 (q, k, g,
 v, beta) + 2 V (o), plus the final state (4 K V per head); the forward+backward minimum adds reading
@@ -52,7 +53,11 @@ TMP = Path("/tmp/kda_bench")
 # ------------------------------------------------------------------------------------------------
 
 
-def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path) -> None:
+def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bool = False) -> None:
+    """FLA's side, in its own process: autotune (first calls) for each head count, archiving Triton's
+    autotuning results after each; then, when the JAX side says go, time FLA and compute its outputs
+    on our inputs. `tune_only`: stop after the autotune (a device call of its own, whose archive the
+    next call restores: FLA's first-call autotune takes ~5 minutes per head count on the H200)."""
     import torch
     import triton
     from fla.ops.kda import chunk_kda
@@ -113,6 +118,8 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path) -> None:
         say(f"tuned H={h} at {time.time() - t0:.1f}s")
         save_autotune(out_dir)  # per head count: a run killed during the next one keeps these
     (TMP / "fla_tuned").write_text(f"{time.time() - t0:.1f}")
+    if tune_only:
+        return
     while not (TMP / "fla_go").exists():
         time.sleep(0.2)
     res = {"autotune_s": round(time.time() - t0, 1), "torch": torch.__version__,
@@ -225,8 +232,7 @@ def per_kernel(args) -> None:
         f_pairs_st = jax.jit(functools.partial(_k_fwd_pairs, kp, cfg, True))
         aqk, mmat, at = f_pairs_st(q, k, g, beta, al, dtb)
         f_wu = jax.jit(functools.partial(_k_fwd_wu, kp, cfg))
-        a_wu = (q, k, v, g, beta, al, dtb, mmat)
-        w, u, qg, kg, gam = f_wu(*a_wu)
+        w, u, qg, kg, gam = f_wu(q, k, v, g, beta, al, dtb, mmat)
         f_state = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, False))
         f_state_st = jax.jit(functools.partial(_k_fwd_state, kp, cfg, h0t, True))
         o, ht, hs, vn = f_state_st(w, u, qg, kg, aqk, gam)
@@ -240,6 +246,7 @@ def per_kernel(args) -> None:
         dqp, dkp, dgp, _ = f_dqkg(*a_dqkg)
         f_bpairs = jax.jit(functools.partial(_k_bwd, kp._bwd_pairs, cfg))
         a_pairs = (q, k, g, beta, al, dtb)
+        a_wu = (q, k, v, g, beta, al, dtb, mmat)
         a_bintra = (beta, v, do, vn, dvn, mmat, at)
         a_bpairs = (q, k, g, beta, al, dtb, *norms, x, y, dqp, dkp, dgp)
         a_state = (w, u, qg, kg, aqk, gam)
@@ -346,6 +353,9 @@ def main() -> None:
                          '"block_v": 64}\' (repeatable)')
     ap.add_argument("--checks-only", action="store_true", help="only the GPU checks against the reference")
     ap.add_argument("--fla-worker", action="store_true")
+    ap.add_argument("--fla-tune-only", action="store_true",
+                    help="only run FLA's first-call autotune for --heads, archived in $OUT/triton_autotune.tgz "
+                         "(set TRITON_CACHE_DIR)")
     ap.add_argument("--profile", metavar="DIR", help="also trace ours (every variant, forward and forward+backward) "
                     "and record each launch's device time in the run (no dispatch in it)")
     ap.add_argument("--per-kernel", action="store_true", help="only time each Pallas launch separately")
@@ -365,8 +375,8 @@ def main() -> None:
                     help="--per-kernel: also time the chunk-parallel kernels with the gate (and the L2 norm) outside")
     args = ap.parse_args()
     TMP.mkdir(parents=True, exist_ok=True)
-    if args.fla_worker:
-        fla_worker(args.heads, args.seq, args.dk, Path(args.out))
+    if args.fla_worker or args.fla_tune_only:
+        fla_worker(args.heads, args.seq, args.dk, Path(args.out), tune_only=args.fla_tune_only)
         return
     if args.per_kernel:
         per_kernel(args)
@@ -596,7 +606,6 @@ def main() -> None:
         while not (TMP / "fla_tuned").exists() and worker.poll() is None:
             time.sleep(0.5)
         report["fla_autotune_s"] = (TMP / "fla_tuned").read_text() if (TMP / "fla_tuned").exists() else None
-        save_autotune(out_dir)
     checks_and_ceilings()
     for (h, vname), (f1, f2) in fns.items():
         x, do = inputs_by_h[h]
