@@ -122,3 +122,28 @@ def test_kda_bench_runs(tmp_path):
     # traced (the CPU trace has no device plane: the per-launch table itself fills only on a GPU)
     assert {"device_busy_ms", "kernels"} <= set(report["results"]["H1_chunk32"]["fwdbwd_profile"])
     assert list((tmp_path / "prof" / "H1_chunk32_fwdbwd").rglob("*.xplane.pb"))
+
+
+def test_kda_bench_archives_triton_autotuning(tmp_path, monkeypatch):
+    """bench/kda.py hands FLA's autotuning results back as one archive (the device tool returns a
+    limited number of files) that restores the cache's layout; nothing without TRITON_CACHE_DIR."""
+    import tarfile
+
+    from bench.kda import save_autotune
+
+    cache = tmp_path / "cache"
+    for key, name in (("AAA", "l2norm_fwd_kernel"), ("BBB", "chunk_kda_bwd_kernel_intra")):
+        (cache / key).mkdir(parents=True)
+        (cache / key / f"{name}.autotune.json").write_text(json.dumps({"key": key}))
+        (cache / key / f"{name}.cubin").write_bytes(b"\0")  # compiled kernels are not archived
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    save_autotune(tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    save_autotune(tmp_path / "out")
+    with tarfile.open(tmp_path / "out" / "triton_autotune.tgz") as tar:
+        assert sorted(tar.getnames()) == ["AAA/l2norm_fwd_kernel.autotune.json",
+                                          "BBB/chunk_kda_bwd_kernel_intra.autotune.json"]
+        tar.extractall(tmp_path / "restored", filter="data")
+    assert json.loads((tmp_path / "restored" / "BBB" / "chunk_kda_bwd_kernel_intra.autotune.json").read_text()) == {
+        "key": "BBB"}
