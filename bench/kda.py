@@ -41,11 +41,48 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 TMP = Path("/tmp/kda_bench")
+
+
+# ------------------------------------------------------------------------------------------------
+# timing, the same on both sides
+# ------------------------------------------------------------------------------------------------
+
+
+def wall_ms(call: Callable[[], Any], wait: Callable[[Any], Any], n: int = 20, warm: int = 3) -> float:
+    """Median wall time (ms) of n calls of call(), each followed by wait(its output), after `warm` calls.
+    Both sides use it: wait is block_until_ready (JAX) or torch.cuda.synchronize (FLA)."""
+    for _ in range(warm):
+        wait(call())
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        wait(call())
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts) * 1e3)
+
+
+def pipelined_ms(call: Callable[[], Any], wait: Callable[[Any], Any], n: int = 20, rounds: int = 5,
+                 warm: int = 3) -> float:
+    """Per-call wall time (ms) of n back-to-back calls and one wait on the last output (one stream: the
+    last call done means all are), median of `rounds`: device time plus launch gaps, without a host
+    round trip per call."""
+    for _ in range(warm):
+        wait(call())
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = call()
+        wait(out)
+        ts.append((time.perf_counter() - t0) / n)
+    return float(np.median(ts) * 1e3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -67,6 +104,9 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bo
     def say(*a):
         print(*a, file=log, flush=True)
 
+    def sync(_):
+        torch.cuda.synchronize()
+
     def call(q, k, v, g, beta, a_log, dt_bias):
         return chunk_kda(q, k, v, g, beta, scale=dk ** -0.5, A_log=a_log, dt_bias=dt_bias,
                          use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
@@ -82,31 +122,6 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bo
         a_log = 0.5 * torch.randn(h, device="cuda", generator=gen)
         dt_bias = torch.randn(h * dk, device="cuda", generator=gen)
         return [q, k, v, g, beta, a_log, dt_bias]
-
-    def sync_ms(f, n: int = 20) -> float:
-        """Median wall time of single calls, each followed by a synchronize (as ours: block_until_ready)."""
-        for _ in range(3):
-            f()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            f()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts) * 1e3)
-
-    def pipelined_ms(f, n: int = 20, rounds: int = 5) -> float:
-        """Per-call wall time of n back-to-back calls and one synchronize, median of `rounds` (as ours)."""
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f()
-            torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t0) / n)
-        return float(np.median(ts) * 1e3)
 
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -145,9 +160,9 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bo
                   for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd))}
         res[f"H{h}"] = {f"{name}_ms": float(np.median(r)) for name, r in rounds.items()}
         res[f"H{h}"].update({f"{name}_ms_rounds": r for name, r in rounds.items()})
-        for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):  # the JAX side's two methods, for like-for-like ratios
-            res[f"H{h}"][f"{name}_sync_ms"] = sync_ms(f)
-            res[f"H{h}"][f"{name}_pipelined_ms"] = pipelined_ms(f)
+        for name, f, n in (("fwd", fwd, 20), ("fwdbwd", fwdbwd, 10)):  # the JAX side's two methods and counts
+            res[f"H{h}"][f"{name}_sync_ms"] = wall_ms(f, sync, n=n)
+            res[f"H{h}"][f"{name}_pipelined_ms"] = pipelined_ms(f, sync, n=n)
         say(f"timed H={h}: {res[f'H{h}']}")
         # our inputs, same values: output and gradients for the agreement check
         d = np.load(TMP / f"inputs_H{h}.npz")
@@ -421,29 +436,8 @@ def main() -> None:
         b = np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
-    def timeit(fn, *a, n=20, warm=3) -> float:
-        for _ in range(warm):
-            jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts) * 1e3)
-
-    def timeit_pipelined(fn, *a, n=20, rounds=5) -> float:
-        """Per-call time of n back-to-back calls with one block_until_ready at the end (median of
-        `rounds`): the device time per call plus launch gaps, without a host round trip per call."""
-        for _ in range(3):
-            jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                out = fn(*a)
-            jax.block_until_ready(out)  # one stream: the last call done means all are
-            ts.append((time.perf_counter() - t0) / n)
-        return float(np.median(ts) * 1e3)
+    def timeit(fn, *a, n=20, pipelined=False) -> float:
+        return (pipelined_ms if pipelined else wall_ms)(lambda: fn(*a), jax.block_until_ready, n=n)
 
     def inputs(key, b, t, h, dk, dtype):
         ks = jax.random.split(key, 8)
@@ -612,7 +606,8 @@ def main() -> None:
         tok = args.seq * h
         bytes_min = tok * (2 * 4 * kd + 2 + 2 * kd) + h * kd * kd * 4
         r = {"fwd_ms": timeit(f1, *x), "fwdbwd_ms": timeit(f2, *x, do, n=10),
-             "fwd_pipelined_ms": timeit_pipelined(f1, *x), "fwdbwd_pipelined_ms": timeit_pipelined(f2, *x, do, n=10)}
+             "fwd_pipelined_ms": timeit(f1, *x, pipelined=True),
+             "fwdbwd_pipelined_ms": timeit(f2, *x, do, n=10, pipelined=True)}
         r["fwd_GBps_min_bytes"] = bytes_min / r["fwd_ms"] / 1e6
         r["fwdbwd_GBps_min_bytes"] = 3 * bytes_min / r["fwdbwd_ms"] / 1e6
         r["fwd_TFLOPs"] = tok * flop_fwd_tok / r["fwd_ms"] / 1e9

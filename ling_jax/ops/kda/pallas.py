@@ -626,7 +626,7 @@ def kda_pallas(
         raise ValueError(f"num_warps keys are {sorted(WARPS)}, got {sorted(num_warps or {})}")
     given = {"bv": block_v, "bv_bwd": block_v_bwd, "bk": block_k, "bk_kv": block_k_kv,
              **{f"warps_{group}": n for group, n in (num_warps or {}).items()}}
-    tiles = {**default_tiles(backend, c, dk, dv, exact=cd == "float32"), **{k: v for k, v in given.items() if v}}
+    tiles = {**default_tiles(backend, c, dk, dv, exact=cd == "float32"), **{name: n for name, n in given.items() if n}}
     cfg = Cfg(backend=backend, interpret=bool(interpret), chunk=c, t_valid=t, n_chunks=nt, dk=dk, dv=dv,
               scale=float(scale), gate=gate, lower_bound=float(lower_bound or 0.0),
               l2norm=bool(use_qk_l2norm), segments=segment_ids is not None, cd=cd, hd=hd, **tiles)
