@@ -16,7 +16,10 @@ One run does, in this order:
   3. measures the card's ceilings: a 4 GiB device-to-device copy (bytes read + written) and an
      8192^3 bf16 matmul;
   4. times ours (forward, forward + backward) and the chunked XLA path two ways: median of warmed-up
-     calls, each followed by block_until_ready, and per call of back-to-back calls with one wait;
+     calls, each followed by block_until_ready, and per call of back-to-back calls with one wait.
+     Ours: "default" = the kernels at `kda_pallas`'s default chunk (64), "api" = the public call with
+     its defaults, `kimi_delta_attention(impl="auto")` (on a GPU: the kernels at chunk 32), then
+     each `--chunks` / `--variant` of the kernels;
      `--profile DIR` also records each launch's device time inside the calls;
   5. tells the worker to time FLA the same two ways and with triton.testing.do_bench, and to run FLA
      once on our inputs; compares its output and gradients with ours (relative L2);
@@ -450,9 +453,15 @@ def main() -> None:
         dt_bias = jax.random.normal(ks[6], (h * dk,))
         return q, k, v, g, beta, a_log, dt_bias
 
-    def ours(q, k, v, g, beta, a_log, dt_bias, h0=None, impl="pallas", **kw):
+    def ours(q, k, v, g, beta, a_log, dt_bias, h0=None, impl="auto", **kw):
+        """The public op (`kimi_delta_attention`) with Ling's fused gate and L2 norm."""
         return kimi_delta_attention(q, k, v, g, beta, initial_state=h0, impl=impl, use_qk_l2norm=True,
                                     a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, **kw)
+
+    def kernels(q, k, v, g, beta, a_log, dt_bias, h0=None, **kw):
+        """Our kernels at exactly the chunk (and tiles) `kw` asks for: `kda_pallas` itself."""
+        return kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0, use_qk_l2norm=True,
+                          a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, **kw)
 
     def ref(q, k, v, g, beta, a_log, dt_bias, h0=None):
         gg = kda_gate(g, a_log, dt_bias, -5.0)
@@ -486,14 +495,14 @@ def main() -> None:
         d = check_data()
         out = {}
         with jax.default_matmul_precision("highest"):
-            o, ht = jax.jit(lambda *a: ours(*a, segment_ids=d["segs"], **kw))(*d["x"], d["h0"])
+            o, ht = jax.jit(lambda *a: kernels(*a, segment_ids=d["segs"], **kw))(*d["x"], d["h0"])
             out[f"{tag}fp32_fwd_o"] = rel(o, d["ro"])
             out[f"{tag}fp32_fwd_state"] = rel(ht, d["rht"])
-            gp = jax.jit(jax.grad(weighted_loss(lambda *a: ours(*a, **kw), d["w"]), argnums=tuple(range(8))))(
+            gp = jax.jit(jax.grad(weighted_loss(lambda *a: kernels(*a, **kw), d["w"]), argnums=tuple(range(8))))(
                 *d["x"], d["h0"])
             for name, a, b in zip(("q", "k", "v", "g", "beta", "a_log", "dt_bias", "h0"), gp, d["gr"], strict=True):
                 out[f"{tag}fp32_grad_{name}"] = rel(a, b)
-            ob, _ = jax.jit(lambda *a: ours(*a, **kw))(*d["xb"])
+            ob, _ = jax.jit(lambda *a: kernels(*a, **kw))(*d["xb"])
             out[f"{tag}bf16_fwd_o_vs_fp32_reference"] = rel(ob, d["rb"])
         return out
 
@@ -539,7 +548,9 @@ def main() -> None:
     results = {}
     kd = args.dk
     flop_fwd_tok = 2 * 64 * (3 * kd + 2 * kd) + 6 * kd * kd + 2 * 64 * 64
-    variant_list = [("default", {})]
+    # "default": the kernels at kda_pallas's default chunk (64); "api": the public call with its defaults,
+    # kimi_delta_attention(impl="auto"), which on a GPU runs the kernels at api.GPU_KERNEL_CHUNK
+    variant_list: list[tuple[str, dict | None]] = [("default", {}), ("api", None)]
     if args.variants:
         variant_list += [("bv32", {"block_v": 32}), ("bv128", {"block_v": 128}),
                          ("warps_8", {"num_warps": {"pairs": 8, "wu": 8, "dqkg": 8, "bwd_pairs": 8}}),
@@ -562,8 +573,7 @@ def main() -> None:
         x, do = inputs_by_h[h]
         for vname, kw in variant_list:
             def fwd(*a, kw=kw):
-                return kda_pallas(*a[:5], scale=kd ** -0.5, use_qk_l2norm=True, a_log=a[5], dt_bias=a[6],
-                                  lower_bound=-5.0, **kw)
+                return ours(*a[:7]) if kw is None else kernels(*a[:7], **kw)
 
             def fwdbwd(*a, fwd=fwd):
                 o, vjp = jax.vjp(lambda *b: fwd(*b)[0], *a[:7])

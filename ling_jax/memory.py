@@ -12,7 +12,7 @@ fallback included). Decode caches use the table's cache roles (`kda_state`, `kda
     unsorted output, the float32 partial sums, and the expert weights gathered over `fsdp`;
   * MLA: the materialised [B, H, T, T] float32 scores and bf16 probabilities of ops/attention.py;
   * KDA: projections, conv outputs, gates and the per-chunk float32 states (chunks of 32 in the GPU
-    plans, where the model runs the kernels at 32 (`ops.kda.api.model_chunk`), else 64);
+    plans, where the kernels run at 32 (`ops.kda.api.kernel_chunk`), else 64);
   * training: full rematerialisation per layer — each layer's bf16 input is saved, one layer at a
     time is recomputed and differentiated (its working set counted twice: forward values + their
     gradients) — plus float32 logits and their gradient.
@@ -214,7 +214,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
              f"{n['mla']} layers (incl. MTP) x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
     t = prefill_tokens
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t),
-                            "KDA": kda_buffers(cfg, sizes, t, chunk=kernel_chunk(gpu=fused_attention)),
+                            "KDA": kda_buffers(cfg, sizes, t, chunk=kernel_chunk(DEFAULT_CHUNK, gpu=fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, 1, t, fused=fused_attention)})
     logits = _div(cfg.vocab_size, sizes, "tensor") * 4  # logits of the last position only
     plan.add("prefill working set", work + t * cfg.hidden_size * 2 * 2 + logits,
@@ -248,7 +248,8 @@ def plan_training(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, seq_l
     plan.add("saved layer inputs (remat)", n["layers"] * t * cfg.hidden_size * 2,
              f"{n['layers']} layers x {t} tokens/device x D bf16")
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t) + t * cfg.hidden_size * 2 * 6,
-                            "KDA": kda_buffers(cfg, sizes, t, training=True, chunk=kernel_chunk(gpu=fused_attention)),
+                            "KDA": kda_buffers(cfg, sizes, t, training=True,
+                                               chunk=kernel_chunk(DEFAULT_CHUNK, gpu=fused_attention)),
                             _mla_name(fused_attention): mla_buffers(cfg, sizes, max(1, round(rows)), seq_len,
                                                                     fused=fused_attention)})
     plan.add("one layer recomputed + its grads", 2 * work, f"largest layer: {layer}, x2 (values + grads)")

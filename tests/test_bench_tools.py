@@ -96,7 +96,7 @@ def test_bench_scripts_run(tmp_path, script):
 def test_kda_bench_runs(tmp_path):
     """bench/kda.py on the CPU (interpret mode, tiny shapes, no FLA): the per-launch timings with every
     sweep option, and the end-to-end run with its GPU-style checks against the reference at the default
-    chunk and at chunk 32, and a --variant."""
+    chunk and at chunk 32, and a --variant; the public call's row ("api")."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     tiny = ["--heads", "1", "--seq", "128", "--dk", "32"]
@@ -118,7 +118,7 @@ def test_kda_bench_runs(tmp_path):
     exact = {k: v for k, v in checks.items() if "bf16" not in k}  # fp32 forward and gradients
     assert len(exact) == 20 and all(v < 1e-4 for v in exact.values()), exact  # 2 chunk sizes x 10
     assert all(v < 1e-2 for k, v in checks.items() if "bf16" in k), checks
-    assert {"H1_default", "H1_chunk32", "H1_chunk32_bv16"} <= set(report["results"])
+    assert {"H1_default", "H1_api", "H1_chunk32", "H1_chunk32_bv16"} <= set(report["results"])
     # traced (the CPU trace has no device plane: the per-launch table itself fills only on a GPU)
     assert {"device_busy_ms", "kernels"} <= set(report["results"]["H1_chunk32"]["fwdbwd_profile"])
     assert list((tmp_path / "prof" / "H1_chunk32_fwdbwd").rglob("*.xplane.pb"))

@@ -223,18 +223,18 @@ def test_routed_partial_non_local_experts_values_gradients_and_counts():
 def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypatch):
     """The KDA layer resolves "auto" with its own gate (the config's safe gate): on a GPU it runs the
     Pallas kernels both when the gate is fused (no padding) and when it is precomputed for padded
-    prompts (prefill), at chunks of 32 (`api.model_chunk`); with the softplus gate (no lower bound) it
-    runs the chunked path at the default chunk."""
+    prompts (prefill); with the softplus gate (no lower bound) it runs the chunked path. The chunk is
+    the op's default (on a GPU the kernels run at theirs, `api.kernel_chunk`)."""
     import ling_jax
     from ling_jax.layers import kda as kda_layer
     from ling_jax.ops.kda import api
     from ling_jax.params import init_params
 
-    seen: list[tuple[str, int]] = []
+    seen: list[tuple[str, int | None]] = []
     real = kda_layer.kimi_delta_attention
 
     def spy(*a, impl, **kw):
-        seen.append((impl, kw["chunk_size"]))
+        seen.append((impl, kw.get("chunk_size")))
         return real(*a, impl="chunked", **kw)
 
     monkeypatch.setattr(kda_layer, "kimi_delta_attention", spy)
@@ -242,7 +242,7 @@ def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypat
     monkeypatch.setattr(api, "on_gpu", lambda: True)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 8)))
     mask = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3])
-    for bound, want in ((-5.0, ("pallas", api.GPU_KERNEL_CHUNK)), (None, ("chunked", api.DEFAULT_CHUNK))):
+    for bound, want in ((-5.0, ("pallas", None)), (None, ("chunked", None))):
         cfg = LingConfig.preset("debug", kda_lower_bound=bound)
         params = init_params(cfg, seed=1)
         for attention_mask in (None, mask):

@@ -19,7 +19,7 @@ from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
-from ling_jax.ops.kda.api import DEFAULT_CHUNK, model_chunk, resolve_impl
+from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
@@ -85,7 +85,7 @@ def _sharded_kda(args: dict[str, Any], *, cfg: LingConfig, scale: float) -> tupl
     def op(**a: jax.Array) -> tuple[jax.Array, jax.Array]:
         if "dt_bias" in a:  # a shard's [H_local, K] back to the op's head-major [H_local * K]
             a["dt_bias"] = a["dt_bias"].reshape(-1)
-        return kimi_delta_attention(scale=scale, impl=impl, chunk_size=model_chunk(impl), use_qk_l2norm=True,
+        return kimi_delta_attention(scale=scale, impl=impl, use_qk_l2norm=True,
                                     lower_bound=lower_bound,
                                     **{k: a[k] for k in ("q", "k", "v", "g", "beta")},
                                     **{k: v for k, v in a.items() if k not in ("q", "k", "v", "g", "beta")})

@@ -17,7 +17,7 @@ from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 DEFAULT_CHUNK = 64  # `chunk_size` of `kimi_delta_attention` unless given
-GPU_KERNEL_CHUNK = 32  # the model's chunk for the Pallas kernels on a GPU (`model_chunk`)
+GPU_KERNEL_CHUNK = 32  # the chunk the Pallas kernels run at on a GPU (`kernel_chunk`)
 _MODULES = {
     "reference": ("ling_jax.ops.kda.reference", "kda_reference"),
     "chunked": ("ling_jax.ops.kda.chunked", "kda_chunked"),
@@ -37,22 +37,18 @@ def on_accelerator() -> bool:
 
 
 def on_gpu() -> bool:
-    """Whether the default backend is a GPU (the chunk size `model_chunk` picks depends on it)."""
+    """Whether the default backend is a GPU (the chunk the kernels run at depends on it)."""
     return jax.default_backend() == "gpu"
 
 
-def kernel_chunk(gpu: bool) -> int:
-    """The chunk size the model runs the Pallas kernels at: GPU_KERNEL_CHUNK on a GPU (H200, B=1,
-    T=8192, K=V=128, bf16, same runs: H=64 forward 1.96-2.06 ms at 32 vs 2.69-2.79 at 64,
-    forward+backward 6.43-6.63 vs 8.57-8.61; H=16 0.83-0.96 vs 1.09-1.13 and 2.28-2.51 vs 3.07-3.23;
-    BENCHMARKS.md), DEFAULT_CHUNK on a TPU (not measured there)."""
-    return GPU_KERNEL_CHUNK if gpu else DEFAULT_CHUNK
-
-
-def model_chunk(impl: str) -> int:
-    """The chunk size the model's KDA layers run the resolved `impl` at on the default backend
-    (`kernel_chunk` for the Pallas kernels, DEFAULT_CHUNK otherwise). The result does not depend on it."""
-    return kernel_chunk(on_gpu()) if impl == "pallas" else DEFAULT_CHUNK
+def kernel_chunk(chunk_size: int, gpu: bool) -> int:
+    """The chunk the Pallas kernels run a call of `chunk_size` at: GPU_KERNEL_CHUNK on a GPU where it
+    divides `chunk_size`, else `chunk_size`. The result is the same function of the inputs; the
+    chunk states asked for are taken every `chunk_size / GPU_KERNEL_CHUNK` kernel chunks. On the
+    H200 (B=1, T=8192, K=V=128, bf16, same runs): H=64 forward 1.94-2.06 ms at 32 vs 2.69-2.81 at
+    64, forward+backward 6.43-6.63 vs 8.57-8.98; H=16 0.80-0.96 vs 1.09-1.21 and 2.28-2.51 vs
+    3.07-3.23 (BENCHMARKS.md). A TPU runs the chunk asked for (not measured there)."""
+    return GPU_KERNEL_CHUNK if gpu and chunk_size % GPU_KERNEL_CHUNK == 0 else chunk_size
 
 
 def resolve_impl(impl: str, safe_gate: bool = True, supported: bool = True) -> str:
@@ -94,6 +90,7 @@ def kimi_delta_attention(
     where the id changes (packed documents).
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
+    The Pallas kernels may run at a chunk dividing `chunk_size` (`kernel_chunk`: 32 on a GPU).
     """
     if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
@@ -119,19 +116,23 @@ def kimi_delta_attention(
                             lambda *x: kimi_delta_attention(*x, impl="chunked", **opts), q, k, v, g, beta)
     module, name = _MODULES[impl]
     fn = getattr(importlib.import_module(module), name)
-    fused = getattr(fn, "fuses_gate_and_norm", False)
+    run_chunk = kernel_chunk(chunk_size, on_gpu()) if impl == "pallas" else chunk_size
     kwargs = dict(
         scale=scale,
         initial_state=initial_state,
         segment_ids=segment_ids,
-        chunk_size=chunk_size,
+        chunk_size=run_chunk,
         return_chunk_states=return_chunk_states,
     )
-    if fused:
-        return fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+    if getattr(fn, "fuses_gate_and_norm", False):
+        outs = fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                   lower_bound=lower_bound, **kwargs)
-    if a_log is not None:
-        g = kda_gate(g, a_log, dt_bias, lower_bound)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    return fn(q, k, v, g, beta, **kwargs)
+    else:
+        if a_log is not None:
+            g = kda_gate(g, a_log, dt_bias, lower_bound)
+        if use_qk_l2norm:
+            q, k = l2_normalize(q), l2_normalize(k)
+        outs = fn(q, k, v, g, beta, **kwargs)
+    if return_chunk_states and run_chunk != chunk_size:  # [B, NT_run, ...] -> the states entering each chunk
+        outs = (*outs[:2], outs[2][:, :: chunk_size // run_chunk])
+    return outs
