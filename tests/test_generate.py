@@ -18,6 +18,7 @@ from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.model import LINEAR_LEAVES
+from ling_jax.ops import expert_gemv
 from ling_jax.ops.attention import attention_mask
 from ling_jax.ops.layer_gemv import stackable
 from ling_jax.params import get_path, init_params, layer_params, layer_stacks
@@ -67,6 +68,11 @@ def test_fused_decode_projections(lora):
     kda_attn = [get_path(fused, (*st.path, "attn")) for st in layer_stacks(cfg) if st.mixer == "kda" and not st.mtp]
     assert kda_attn and all(FUSED_INPUT in a for a in kda_attn)
     assert ("f_a_proj" in kda_attn[0]) == lora
+    gates = ("f_a_proj", "g_a_proj") if lora else ("f_proj", "g_proj")
+    for a in kda_attn:  # side by side, then zero columns up to the gemv kernel's widest tile
+        width = sum(a[n].shape[-1] for n in ("q_proj", "k_proj", "v_proj", *gates, "b_proj"))
+        assert a[FUSED_INPUT].shape[-1] == -(-width // expert_gemv.MAX_BO) * expert_gemv.MAX_BO
+        assert not np.asarray(a[FUSED_INPUT][..., width:]).any()
     mlps = [get_path(fused, (*st.path, "mlp")) for st in layer_stacks(cfg) if not st.mtp]
     assert all("gate_up_proj" in m or "shared_gate_up_proj" in m for m in mlps)
     prompt = jax.random.randint(jax.random.key(1), (2, 7), 0, cfg.vocab_size)

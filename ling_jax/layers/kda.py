@@ -23,7 +23,7 @@ from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import linear
+from ling_jax.ops.layer_gemv import linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -131,11 +131,12 @@ def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
     `FUSED_INPUT`, every input projection side by side, so that a decode step reads them in one
     matrix-vector product instead of six launches of 1-12 MB each. For the decode loop, made once per
     call; it holds a second copy of those weights meanwhile. Unchanged where they are FP8-resident
-    (the concatenation would dequantize them)."""
+    (the concatenation would dequantize them). Zero columns pad the width to the gemv kernel's tiles
+    (`ops.layer_gemv.pad_columns`); `_decode_inputs` reads the projections by their own widths."""
     ws = [p[n] for n in _input_projections(p)]
     if any(is_block_fp8(w) for w in ws):
         return p
-    return {**p, FUSED_INPUT: jnp.concatenate(ws, axis=-1)}
+    return {**p, FUSED_INPUT: pad_columns(jnp.concatenate(ws, axis=-1))}
 
 
 def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:

@@ -32,6 +32,16 @@ class WeightStack:
         return tuple(self.stack.shape[1:])
 
 
+def pad_columns(w: jax.Array) -> jax.Array:
+    """w [..., C, O] with zero columns appended up to a multiple of the kernel's widest output tile
+    (`expert_gemv.MAX_BO`), for a weight built once per call that the caller slices by its own
+    widths. The kernel tiles O by the largest power of two dividing it: a KDA layer's fused input
+    projection of Ling-3.0-tiny is 5 x 2048 + 16 columns, which it would read 16 columns (32 bytes
+    per row) at a time."""
+    pad = -w.shape[-1] % expert_gemv.MAX_BO
+    return w if pad == 0 else jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
+
+
 def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
     """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `linear` as a
     `WeightStack`: a dense array of [C, O] matrices in the compute `dtype` that the kernel tiles."""
