@@ -117,8 +117,8 @@ def test_forward_unfused_gate_through_api_chunk32():
 def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
     """On a GPU, impl="pallas" runs the kernels at `api.GPU_KERNEL_CHUNK` where it divides the
     chunk asked for: same outputs, and the chunk states of the chunk asked for (every second kernel
-    chunk at 64, fused gate + L2 norm, T=100 not a chunk multiple, segments); a chunk it does not
-    divide (16) and any chunk off a GPU run as asked."""
+    chunk at 64, every fourth at 128; fused gate + L2 norm, T=100 not a chunk multiple, segments);
+    a chunk it does not divide (16) and any chunk off a GPU run as asked."""
     from ling_jax.ops.kda import api
     from ling_jax.ops.kda import pallas as kda_pallas_module
 
@@ -132,7 +132,8 @@ def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
     monkeypatch.setattr(kda_pallas_module, "kda_pallas", spy)
     q, k, v, f, beta, a_log, dt_bias, h0 = make_inputs(11, 2, 100, 2, 32, 32)
     segs = awkward_segments(2, 100)
-    for gpu, chunk, want in ((True, 64, api.GPU_KERNEL_CHUNK), (True, 16, 16), (False, 64, 64)):
+    for gpu, chunk, want in ((True, 64, api.GPU_KERNEL_CHUNK), (True, 128, api.GPU_KERNEL_CHUNK), (True, 16, 16),
+                             (False, 64, 64)):
         monkeypatch.setattr(api, "on_gpu", lambda gpu=gpu: gpu)
         run_at.clear()
         o, ht, cs = kimi_delta_attention(q, k, v, f, beta, initial_state=h0, impl="pallas", chunk_size=chunk,
@@ -143,6 +144,7 @@ def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
         assert run_at == [want], (gpu, chunk, run_at)
         assert cs.shape == rcs.shape == (2, -(-100 // chunk), 2, 32, 32)
         assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5, (gpu, chunk)
+
 
 @pytest.mark.heavy  # ~30 s in interpret mode (default suite kept well under 20 min)
 @pytest.mark.parametrize("backend", [None, "tpu"])
