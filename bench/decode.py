@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--moe-impl", default="auto", help="the config's moe_impl (e.g. gemv: the Pallas decode kernel)")
     ap.add_argument("--decode-impl", default="auto", help="the config's decode_impl (xla or pallas)")
     ap.add_argument("--profile", metavar="DIR", help="trace each configuration and print its kernel table")
+    ap.add_argument("--profile-sequence", type=int, default=0, metavar="N",
+                    help="with --profile: also keep the first N kernels of a traced call in launch order")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
     if args.smoke:
@@ -153,7 +155,8 @@ def main() -> None:
                   f"({ms / floor_ms:.2f}x)  [first call {compile_s:.1f} s]", flush=True)
             if args.profile:
                 run["profile"] = prof = device_profile(call, f"{args.profile}/b{b}_c{ctx}",
-                                                       copies_module_re="decode_loop")
+                                                       copies_module_re="decode_loop",
+                                                       sequence=args.profile_sequence)
                 prof["ms_per_step_busy"] = 1e3 * prof["device_busy_s_per_call"] / args.steps
                 prof["kernels_per_step"] = prof["kernels_per_call"] / args.steps
                 print_profile(prof)

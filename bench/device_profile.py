@@ -109,11 +109,15 @@ def hlo_copies(hlo_dir: str, top: int = 15, module_re: str | None = None) -> lis
 
 
 def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: int = 25,
-                   hlo_dir: str | None = None, copies_module_re: str | None = None) -> dict[str, Any]:
+                   hlo_dir: str | None = None, copies_module_re: str | None = None,
+                   sequence: int = 0) -> dict[str, Any]:
     """Traces `calls` synchronised calls of fn() (call it once before, to compile) and summarises them.
 
     Returns wall seconds per call, device busy seconds per call (union of kernel intervals), the
     number of kernels per call, and the `top` kernels by total time with their count and mean.
+    With `sequence` > 0, also the first `sequence` kernels of the last call in launch order
+    (name, microseconds, op path, gap in microseconds since the previous one ended): what one
+    layer of a step launches, one kernel after another.
     """
     os.makedirs(logdir, exist_ok=True)
     jax.profiler.start_trace(logdir)
@@ -135,6 +139,8 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
         path = paths.get((pid, name), "?") if pid is not None else "?"
         name_path.setdefault(name, path)
         per_path[path].append(e - s)
+    last_call = sorted(events, key=lambda x: x[1])[-(len(events) // calls):][:sequence]
+    ends = [last_call[0][1]] + [e for _, _, e, _ in last_call[:-1]] if last_call else []
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     path_rows = sorted(per_path.items(), key=lambda kv: -sum(kv[1]))
     return {
@@ -148,6 +154,9 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
         "by_op_path": [{"name": n, "count_per_call": len(d) / calls, "total_ms_per_call": sum(d) / 1e6 / calls,
                             "mean_us": sum(d) / len(d) / 1e3} for n, d in path_rows[:top]] if paths else [],
         "hlo_copies": hlo_copies(hlo_dir, module_re=copies_module_re) if hlo_dir else [],
+        "sequence": [{"name": n[:120], "us": (e - s) / 1e3, "gap_us": (s - end) / 1e3,
+                      "op_path": paths.get((pid, n), "?") if pid is not None else "?"}
+                     for (n, s, e, pid), end in zip(last_call, ends, strict=True)],
     }
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import Ffn, LingConfig, Mixer
-from ling_jax.layers.kda import FUSED_INPUT, kda_mixer
+from ling_jax.layers.kda import FUSED_CONV, FUSED_INPUT, kda_mixer
 from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
@@ -31,6 +31,8 @@ from ling_jax.ops import layer_gemv
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
+from ling_jax.ops.kda import decode_layer
+from ling_jax.ops.kda.decode_layer import KdaCacheStack
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
@@ -131,10 +133,11 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
              "g_proj", "dense"),
     "mlp": ("gate_up_proj", "down_proj"),
 }
+KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias", "o_norm")  # small per-layer weights the one-kernel KDA decode layer reads
 
 
-def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool,
-                  linears: bool) -> tuple[Params | None, Stacks]:
+def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
+                  kda: bool = False) -> tuple[Params | None, Stacks]:
     """Takes weight stacks out of layer-stacked params `t` (`lead` stack axes), for kernels that read a
     layer in place (XLA copies a sliced stack passed to a custom call).
 
@@ -145,9 +148,10 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool,
     `experts`: the routed-expert stacks as `ExpertStack`s, and the fused shared expert
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`). `linears`: the `LINEAR_LEAVES`
-    projections as `layer_gemv.WeightStack`s.
+    projections as `layer_gemv.WeightStack`s. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s
+    too (the one-kernel KDA decode layer, `ops.kda.decode_layer`).
     """
-    if t is None or not (experts or linears):
+    if t is None or not (experts or linears or kda):
         return t, {}
     subs = {k: dict(v) for k, v in t.items() if k in ("attn", "mlp")}
     stacks: Stacks = {}
@@ -174,7 +178,42 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool,
             for name in names:
                 if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype):
                     take(sub, name, WeightStack, False)
+    if kda:
+        for name in KDA_LEAVES:
+            take("attn", name, WeightStack, False)
     return {**t, **subs}, stacks
+
+
+class _KdaCaches:
+    """A segment's KDA decode caches as whole stacks threaded through its layers, one after another
+    (a Python loop: each layer's kernel updates its entries in place, `ops.kda.decode_layer`; a
+    layer's slice handed to a custom call would be copied first, and a scan would stack copies)."""
+
+    def __init__(self, c: dict[str, jax.Array]):  # {"state": [*lead, B, H, K, V], "conv": [*lead, B, W-1, 3P]}
+        self.lead = c["state"].shape[:-4]
+        self.state = c["state"].reshape(-1, *c["state"].shape[-4:])
+        self.conv = c["conv"].reshape(-1, *c["conv"].shape[-3:])
+        self.index = jnp.arange(self.state.shape[0], dtype=jnp.int32).reshape(self.lead)  # rides the loop as xs
+
+    def view(self, layer: jax.Array) -> KdaCacheStack:
+        return KdaCacheStack(self.state, self.conv, layer)
+
+    def keep(self, new: KdaCacheStack) -> jax.Array:
+        """Takes a layer's updated stacks; returns what the loop stacks for it (its index)."""
+        self.state, self.conv = new.state, new.conv
+        return new.layer
+
+    def result(self) -> dict[str, jax.Array]:
+        return {"state": self.state.reshape(*self.lead, *self.state.shape[1:]),
+                "conv": self.conv.reshape(*self.lead, *self.conv.shape[1:])}
+
+
+def _kda_views(cfg: LingConfig, t: Params | None, unroll: bool, caches: Any) -> bool:
+    """Whether the unrolled decode step runs the one-kernel KDA decode layer on these KDA layer params:
+    the Pallas decode kernels on one device, decode params (`FUSED_CONV`), heads the kernel takes."""
+    return (t is not None and unroll and caches is not None and cfg.pallas_decode("kda")
+            and not multi_device(context_mesh()) and FUSED_CONV in t["attn"]
+            and decode_layer.supported(cfg.head_dim, cfg.head_dim, cfg.short_conv_kernel_size))
 
 
 def _join_stacks(p: Params, stacks: Stacks) -> Params:
@@ -202,7 +241,9 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
     whole every step, and the XLA impls are faster on the plain slices). Unrolled with caches at
     one row (the batch-1 decode step) and `cfg.pallas_decode("proj")`, the dense projections reach
-    `layer_gemv.linear` as `WeightStack`s the same way.
+    `layer_gemv.linear` as `WeightStack`s the same way. Unrolled with caches, decode params and
+    `cfg.pallas_decode("kda")` on one device, the KDA layers run as Python loops that thread their
+    segment's cache stacks from layer to layer (`_KdaCaches`) into the one-kernel decode layer.
     """
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
@@ -216,42 +257,50 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         cs = None if caches is None else caches[s]
         first = seg.first_layer
         if seg.kind == "run":
-            sp, stacks = _split_stacks(sp, 1, x.dtype, views, linear_views)
+            kda = seg.mixer == "kda" and _kda_views(cfg, sp, unroll, cs)
+            sp, stacks = _split_stacks(sp, 1, x.dtype, views, linear_views, kda)
             cs, latent = _split_latent(cs) if latent_views and seg.mixer == "mla" else (cs, None)
+            threaded = _KdaCaches(cs) if kda else None
 
-            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks, latent=latent):
+            def run_body(x, xs, mixer=seg.mixer, ffn=seg.ffn, stacks=stacks, latent=latent, threaded=threaded):
                 p, lim, c = xs
-                return layer_fn(_join_stacks(p, stacks), x, lim, _join_latent(c, latent), mixer, ffn)
+                c = threaded.view(c) if threaded else _join_latent(c, latent)
+                x, y = layer_fn(_join_stacks(p, stacks), x, lim, c, mixer, ffn)
+                return x, threaded.keep(y) if threaded else y
 
-            x, ys = _layers(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)), cs),
-                            unroll, loop)
-            ys_all.append(ys)
+            x, ys = _layers(run_body, x, (sp, _limits(cfg, np.arange(first, first + seg.length)),
+                                          threaded.index if threaded else cs), unroll, loop or kda)
+            ys_all.append(threaded.result() if threaded else ys)
             continue
         g = seg.kda_per_group + 1
         base = first + g * np.arange(seg.length)
-        sp_kda, stacks_kda = _split_stacks(sp.get("kda"), 2, x.dtype, views, linear_views)
+        kda = _kda_views(cfg, sp.get("kda"), unroll, cs)
+        sp_kda, stacks_kda = _split_stacks(sp.get("kda"), 2, x.dtype, views, linear_views, kda)
         sp_mla, stacks_mla = _split_stacks(sp["mla"], 1, x.dtype, views, linear_views)
+        threaded = _KdaCaches(cs["kda"]) if kda else None
 
-        def kda_body(x, xs, stacks=stacks_kda):
+        def kda_body(x, xs, stacks=stacks_kda, threaded=threaded):
             p, lim, c = xs
-            return layer_fn(_join_stacks(p, stacks), x, lim, c, "kda", "moe")
+            x, y = layer_fn(_join_stacks(p, stacks), x, lim, threaded.view(c) if threaded else c, "kda", "moe")
+            return x, threaded.keep(y) if threaded else y
 
         cs_mla, latent = None if cs is None else cs["mla"], None
         if latent_views:
             cs_mla, latent = _split_latent(cs_mla)
 
-        def group(x, xs, g=g, stacks=stacks_mla, latent=latent):
+        def group(x, xs, g=g, stacks=stacks_mla, latent=latent, kda=kda):
             pk, pm, lk, lm, ck, cm = xs
             ys_k = None
             if g > 1:
-                x, ys_k = _layers(kda_body, x, (pk, lk, ck), unroll, loop)
+                x, ys_k = _layers(kda_body, x, (pk, lk, ck), unroll, loop or kda)
             x, y_m = layer_fn(_join_stacks(pm, stacks), x, lm, _join_latent(cm, latent), "mla", "moe")
             return x, {"kda": ys_k, "mla": y_m}
 
+        ck = threaded.index if threaded else (None if cs is None else cs.get("kda"))
         xs = (sp_kda, sp_mla, _limits(cfg, base[:, None] + np.arange(g - 1)[None]),
-              _limits(cfg, base + g - 1), None if cs is None else cs.get("kda"), cs_mla)
-        x, ys = _layers(group, x, xs, unroll, loop)
-        ys_all.append(ys)
+              _limits(cfg, base + g - 1), ck, cs_mla)
+        x, ys = _layers(group, x, xs, unroll, loop or kda)
+        ys_all.append({**ys, "kda": threaded.result()} if threaded else ys)
     return x, ys_all
 
 

@@ -14,6 +14,7 @@ import ling_jax
 from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_loop, decode_step, fuse_for_decode, generate, prefill
+from ling_jax.layers import kda as kda_layers
 from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
@@ -58,10 +59,11 @@ def debug_model():
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full_rank_gates", "low_rank_gates"])
-def test_fused_decode_projections(lora):
+def test_fused_decode_projections(lora, monkeypatch):
     """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
     side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
-    give the same step as the separate weights."""
+    give the same step as the separate weights. With low-rank gates, also through the one-kernel KDA
+    decode layer (decode_impl "pallas", batch 2; batch 1: `test_batch1_projections_read_from_their_stacks`)."""
     cfg = LingConfig.preset("debug", no_kda_lora=not lora)
     params = init_params(cfg, seed=5)
     fused = fuse_for_decode(cfg, params)
@@ -82,6 +84,17 @@ def test_fused_decode_projections(lora):
     assert rel_l2(l_fused, l_sep) < 1e-6
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          rtol=1e-5, atol=1e-6), c_fused, c_sep)
+    if not lora:
+        return
+    calls = []
+    monkeypatch.setattr(kda_layers, "kda_decode_layer",
+                        lambda *a, real=kda_layers.kda_decode_layer, **k: calls.append(1) or real(*a, **k))
+    pallas = dataclasses.replace(cfg, decode_impl="pallas")
+    c_pal, l_pal = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
+    assert len(calls) == sum(cfg.mixer_of(i) == "kda" for i in range(cfg.num_hidden_layers))
+    assert rel_l2(l_pal, l_sep) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-4, atol=1e-5), c_pal, c_sep)
 
 
 def test_decode_loop_does_not_copy_the_latent_cache(debug_model):

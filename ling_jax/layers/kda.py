@@ -21,6 +21,7 @@ from ling_jax.layers.norms import gated_rms_norm
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
+from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
 from ling_jax.ops.layer_gemv import linear, pad_columns
@@ -117,6 +118,7 @@ def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
 
 
 FUSED_INPUT = "x_proj"  # the decode params' projections of the normed input side by side (`fuse_input_projections`)
+FUSED_CONV = "qkv_conv"  # the decode params' q|k|v conv weights stacked [3P, W] (`fuse_input_projections`)
 
 
 def _input_projections(p: dict[str, Any]) -> list[str]:
@@ -132,11 +134,14 @@ def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
     matrix-vector product instead of six launches of 1-12 MB each. For the decode loop, made once per
     call; it holds a second copy of those weights meanwhile. Unchanged where they are FP8-resident
     (the concatenation would dequantize them). Zero columns pad the width to the gemv kernel's tiles
-    (`ops.layer_gemv.pad_columns`); `_decode_inputs` reads the projections by their own widths."""
+    (`ops.layer_gemv.pad_columns`); `_decode_inputs` reads the projections by their own widths.
+    Also `FUSED_CONV`, the q, k and v conv weights as one [.., 3P, W] array (what the one-kernel
+    decode layer reads, `ops.kda.decode_layer`)."""
     ws = [p[n] for n in _input_projections(p)]
     if any(is_block_fp8(w) for w in ws):
         return p
-    return {**p, FUSED_INPUT: pad_columns(jnp.concatenate(ws, axis=-1))}
+    return {**p, FUSED_INPUT: pad_columns(jnp.concatenate(ws, axis=-1)),
+            FUSED_CONV: jnp.concatenate([p[f"{n}_conv"] for n in "qkv"], axis=-2)}
 
 
 def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:
@@ -152,14 +157,42 @@ def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]
     return jnp.concatenate([q, k, v], axis=-1), f, z, b
 
 
+def decode_layer_inputs(p: dict[str, Any], x_BD: jax.Array) -> Inputs:
+    """The one-kernel decode layer's inputs from the fused input projection (`fuse_input_projections`):
+    q|k|v, f, z and the beta logits read in place by column, f and z through their second low-rank
+    factors where the gates are low-rank."""
+    widths = [p[n].shape[-1] for n in _input_projections(p)]
+    y_BO = linear(x_BD, p[FUSED_INPUT])
+    starts = [int(e - w) for e, w in zip(np.cumsum(widths), widths, strict=True)]
+    f = (y_BO, starts[3]) if "f_proj" in p else (linear(y_BO[:, starts[3]:starts[4]], p["f_b_proj"]), 0)
+    z = (y_BO, starts[4]) if "g_proj" in p else (linear(y_BO[:, starts[4]:starts[5]], p["g_b_proj"]), 0)
+    return Inputs(qkv=(y_BO, 0), f=f, z=z, b=(y_BO, starts[5]))
+
+
+def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array, cache: KdaCacheStack, *,
+                     cfg: LingConfig) -> tuple[jax.Array, KdaCacheStack]:
+    """`kda_mixer`'s decode step (one token per row) with everything between the two projections in
+    one kernel (`ops.kda.decode_layer`) on the segment's cache stacks, which come back updated in
+    place: (out [B, 1, D], the stacks). Takes the decode params (`fuse_input_projections`)."""
+    with jax.named_scope("qkv"):
+        inputs = decode_layer_inputs(p, x_B1D[:, 0])
+    with jax.named_scope("recurrence"):
+        o_BP, new = kda_decode_layer(inputs, cache, p[FUSED_CONV], p["A_log"], p["dt_bias"], p["o_norm"],
+                                     lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps)
+    return linear(o_BP, p["o_proj"])[:, None], new
+
+
 def kda_mixer(
     p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, valid_BT: jax.Array | None = None,
-    segment_ids: jax.Array | None = None, cache: dict[str, jax.Array] | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+    segment_ids: jax.Array | None = None, cache: dict[str, jax.Array] | KdaCacheStack | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array] | KdaCacheStack]:
     """x [B, T, D] (input-normed) -> (out [B, T, D], new cache {"state", "conv"}).
 
-    cache: {"state": [B, H, K, V] f32, "conv": [B, W-1, 3P]} or None (fresh sequence).
+    cache: {"state": [B, H, K, V] f32, "conv": [B, W-1, 3P]} or None (fresh sequence); a
+    `KdaCacheStack` (the unrolled decode step's stacks, `model.run_stack`) runs `kda_decode_mixer`.
     """
+    if isinstance(cache, KdaCacheStack):
+        return kda_decode_mixer(p, x_BTD, cache, cfg=cfg)
     b, t, _ = x_BTD.shape
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype
