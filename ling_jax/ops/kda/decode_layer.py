@@ -26,12 +26,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 
-BV = 32  # state columns per inner block: a [K, 32] float32 slice is 32 values per thread at 4 warps
-NUM_WARPS = 4
+NUM_WARPS = 8  # a [128, 128] float32 state is 64 values per thread
 
 
 @jax.tree_util.register_dataclass
@@ -69,8 +69,8 @@ def _stack(w: jax.Array | WeightStack) -> tuple[jax.Array, jax.Array]:
     return w[None], jnp.int32(0)
 
 
-def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, width: int, bv: int,
-            scale: float, lower_bound: float | None, eps: float):
+def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, width: int, scale: float,
+            lower_bound: float | None, eps: float, barrier: bool):
     f32 = jnp.float32
     srcs = refs[:n_src]
     conv_w_ref, a_log_ref, dt_ref, norm_ref, state_ref, win_ref, o_ref, state_out, win_out = refs[n_src:]
@@ -78,46 +78,49 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     lc, lw, la, ld, ln = (idx_ref[i] for i in range(5))
     (sq, oq), (sf, of), (sz, oz), (sb, ob) = roles
     dtype = o_ref.dtype
+    # every load first, all in flight at once: the window and state are read and written in place
+    channels = (h * dk, p + h * dk, 2 * p + h * dv)  # this head's q, k, v channels of q|k|v
+    widths = (dk, dk, dv)
+    taps = [[win_ref[lc, b, j, pl.ds(c, n)] for j in range(width - 1)]
+            + [srcs[sq][b, pl.ds(oq + c, n)].astype(win_ref.dtype)] for c, n in zip(channels, widths, strict=True)]
+    conv_w = [[conv_w_ref[lw, pl.ds(c, n), j] for j in range(width)] for c, n in zip(channels, widths, strict=True)]
+    f_K = srcs[sf][b, pl.ds(of + h * dk, dk)]
+    dt_K = dt_ref[ld, pl.ds(h * dk, dk)]
+    a_log = a_log_ref[la, h]
+    b_logit = srcs[sb][b, ob + h]
+    z_V = srcs[sz][b, pl.ds(oz + h * dv, dv)]
+    norm_V = norm_ref[ln, :]
+    s_KV = state_ref[lc, b, h]
+    if barrier:  # (Triton) no store below may land before another thread's load above of the same place
+        pltriton.debug_barrier()
 
-    def conv_silu(ch: int | jax.Array, n: int) -> jax.Array:
-        """silu(conv) of channels [ch, ch + n) of q|k|v, in the activation dtype; shifts the window."""
-        taps = [win_ref[lc, b, j, pl.ds(ch, n)] for j in range(width - 1)]
-        taps.append(srcs[sq][b, pl.ds(oq + ch, n)].astype(win_ref.dtype))
-        acc = jnp.zeros((n,), f32)
-        for j, tap in enumerate(taps):
-            acc = acc + tap.astype(f32) * conv_w_ref[lw, pl.ds(ch, n), j].astype(f32)
-        for j in range(width - 1):
-            win_out[lc, b, j, pl.ds(ch, n)] = taps[j + 1]
+    def conv_silu(part: int) -> jax.Array:  # silu(conv) of q, k or v in the activation dtype
+        acc = jnp.zeros((widths[part],), f32)
+        for tap, w in zip(taps[part], conv_w[part], strict=True):
+            acc = acc + tap.astype(f32) * w.astype(f32)
         return jax.nn.silu(acc).astype(dtype)
 
     def l2_normalize(x: jax.Array) -> jax.Array:
         x32 = x.astype(f32)
         return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32) + 1e-6)
 
-    q_K = l2_normalize(conv_silu(h * dk, dk)) * scale
-    k_K = l2_normalize(conv_silu(p + h * dk, dk))
-    x_K = srcs[sf][b, pl.ds(of + h * dk, dk)].astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
-    a = jnp.exp(a_log_ref[la, h].astype(f32))
+    q_K = l2_normalize(conv_silu(0)) * scale
+    k_K = l2_normalize(conv_silu(1))
+    v_V = conv_silu(2).astype(f32)
+    x_K = f_K.astype(f32) + dt_K.astype(f32)
+    a = jnp.exp(a_log.astype(f32))
     g_K = -a * jax.nn.softplus(x_K) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x_K)
-    decay_K1 = jnp.exp(g_K)[:, None]
-    beta = jax.nn.sigmoid(srcs[sb][b, ob + h].astype(f32))
-    o_blocks, sum_sq = [], jnp.zeros((), f32)
-    for j in range(dv // bv):  # the state by column blocks; the output norm needs the whole head first
-        cols = pl.ds(j * bv, bv)
-        v_V = conv_silu(2 * p + h * dv + j * bv, bv).astype(f32)
-        s_KV = state_ref[lc, b, h, :, cols] * decay_K1
-        u_V = beta * (v_V - jnp.sum(k_K[:, None] * s_KV, axis=0))
-        s_KV = s_KV + k_K[:, None] * u_V[None, :]
-        state_out[lc, b, h, :, cols] = s_KV
-        o_V = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype).astype(f32)
-        o_blocks.append(o_V)
-        sum_sq = sum_sq + jnp.sum(o_V * o_V)
-    inv_rms = jax.lax.rsqrt(sum_sq / dv + eps)
-    for j, o_V in enumerate(o_blocks):
-        cols = pl.ds(j * bv, bv)
-        z_V = srcs[sz][b, pl.ds(oz + h * dv + j * bv, bv)].astype(f32)
-        y_V = o_V * inv_rms * norm_ref[ln, cols].astype(f32) * jax.nn.sigmoid(z_V)
-        o_ref[b, pl.ds(h * dv + j * bv, bv)] = y_V.astype(dtype)
+    beta = jax.nn.sigmoid(b_logit.astype(f32))
+    s_KV = s_KV * jnp.exp(g_K)[:, None]
+    u_V = beta * (v_V - jnp.sum(k_K[:, None] * s_KV, axis=0))
+    s_KV = s_KV + k_K[:, None] * u_V[None, :]
+    o_V = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype).astype(f32)
+    y_V = o_V * jax.lax.rsqrt(jnp.mean(o_V * o_V) + eps) * norm_V.astype(f32) * jax.nn.sigmoid(z_V.astype(f32))
+    state_out[lc, b, h] = s_KV
+    for c, n, part_taps in zip(channels, widths, taps, strict=True):  # the window moves on by one input
+        for j in range(width - 1):
+            win_out[lc, b, j, pl.ds(c, n)] = part_taps[j + 1]
+    o_ref[b, pl.ds(h * dv, dv)] = y_V.astype(dtype)
 
 
 def kda_decode_layer(
@@ -155,9 +158,11 @@ def kda_decode_layer(
     idx = jnp.stack([jnp.asarray(cache.layer, jnp.int32), *(layer for _, layer in stacks)])
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     n_in = len(operands)
+    options = call_options(interpret, num_warps=NUM_WARPS, num_stages=1)
     o, state, conv = pl.pallas_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
-                          dk=dk, dv=dv, width=w, bv=min(BV, dv), scale=dk**-0.5, lower_bound=lower_bound, eps=eps),
+                          dk=dk, dv=dv, width=w, scale=dk**-0.5, lower_bound=lower_bound, eps=eps,
+                          barrier=not options["interpret"]),
         out_shape=[jax.ShapeDtypeStruct((bsz, h * dv), dtype), jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(cache.conv.shape, cache.conv.dtype)],
         grid=(bsz, h),
@@ -165,6 +170,6 @@ def kda_decode_layer(
         out_specs=[pl.BlockSpec((bsz, h * dv), lambda *_: (0, 0)), whole(cache.state), whole(cache.conv)],
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         name="kda_decode_layer",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        **options,
     )(*operands)
     return o, KdaCacheStack(state, conv, cache.layer)
