@@ -133,7 +133,7 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
              "g_proj", "dense"),
     "mlp": ("gate_up_proj", "down_proj"),
 }
-KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias", "o_norm")  # small per-layer weights the one-kernel KDA decode layer reads
+KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
 
 
 def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
@@ -160,7 +160,7 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
         w = subs[sub][name]
         flat = w.reshape(-1, *((1,) if one_expert else ()), *w.shape[lead:])
         stacks[sub, name] = (cls, flat)
-        subs[sub][name] = jnp.arange(flat.shape[0], dtype=jnp.int32).reshape(w.shape[:lead])
+        subs[sub][name] = np.arange(flat.shape[0], dtype=np.int32).reshape(w.shape[:lead])  # constants, not launches
 
     if experts and "router" in subs["mlp"]:
         mlp_p = subs["mlp"]
@@ -185,27 +185,31 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
 
 
 class _KdaCaches:
-    """A segment's KDA decode caches as whole stacks threaded through its layers, one after another
-    (a Python loop: each layer's kernel updates its entries in place, `ops.kda.decode_layer`; a
-    layer's slice handed to a custom call would be copied first, and a scan would stack copies)."""
+    """A segment's KDA decode caches threaded through its layers, one after another (a Python loop):
+    each layer's kernel updates its state in the whole state stack in place (`ops.kda.decode_layer`;
+    a layer's slice handed to a custom call would be copied first, and a scan would stack copies)
+    and returns its new conv window, all of which replace the window stack after the last layer."""
 
     def __init__(self, c: dict[str, jax.Array]):  # {"state": [*lead, B, H, K, V], "conv": [*lead, B, W-1, 3P]}
         self.lead = c["state"].shape[:-4]
         self.state = c["state"].reshape(-1, *c["state"].shape[-4:])
         self.conv = c["conv"].reshape(-1, *c["conv"].shape[-3:])
-        self.index = jnp.arange(self.state.shape[0], dtype=jnp.int32).reshape(self.lead)  # rides the loop as xs
+        self.index = np.arange(self.state.shape[0], dtype=np.int32).reshape(self.lead)  # rides the loop as xs
+        self.windows: dict[int, jax.Array] = {}
 
-    def view(self, layer: jax.Array) -> KdaCacheStack:
+    def view(self, layer: np.ndarray) -> KdaCacheStack:
         return KdaCacheStack(self.state, self.conv, layer)
 
-    def keep(self, new: KdaCacheStack) -> jax.Array:
-        """Takes a layer's updated stacks; returns what the loop stacks for it (its index)."""
-        self.state, self.conv = new.state, new.conv
+    def keep(self, new: KdaCacheStack) -> np.ndarray:
+        """Takes a layer's updated state stack and new window; returns what the loop stacks for it."""
+        self.state = new.state
+        self.windows[int(new.layer)] = new.window
         return new.layer
 
     def result(self) -> dict[str, jax.Array]:
+        conv = jnp.stack([self.windows[i] for i in range(self.conv.shape[0])])  # every layer ran this step
         return {"state": self.state.reshape(*self.lead, *self.state.shape[1:]),
-                "conv": self.conv.reshape(*self.lead, *self.conv.shape[1:])}
+                "conv": conv.reshape(*self.lead, *conv.shape[1:])}
 
 
 def _kda_views(cfg: LingConfig, t: Params | None, unroll: bool, caches: Any) -> bool:

@@ -147,9 +147,9 @@ def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
 def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:
     """(qkv [B, T, 3P], gate input f [B, T, HK], output gate z [B, T, HV], beta logits [B, T, H])
     from the fused input projection (`fuse_input_projections`)."""
-    widths = [p[n].shape[-1] for n in _input_projections(p)]
+    s = _input_starts(p)
     y = linear(x_BTD, p[FUSED_INPUT])
-    q, k, v, f, z, b = (y[..., e - w:e] for e, w in zip(np.cumsum(widths), widths, strict=True))
+    q, k, v, f, z, b = (y[..., s[i]:s[i + 1]] for i in range(6))
     if "f_proj" not in p:
         f = linear(f, p["f_b_proj"])
     if "g_proj" not in p:
@@ -157,29 +157,30 @@ def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]
     return jnp.concatenate([q, k, v], axis=-1), f, z, b
 
 
-def decode_layer_inputs(p: dict[str, Any], x_BD: jax.Array) -> Inputs:
-    """The one-kernel decode layer's inputs from the fused input projection (`fuse_input_projections`):
-    q|k|v, f, z and the beta logits read in place by column, f and z through their second low-rank
-    factors where the gates are low-rank."""
+def _input_starts(p: dict[str, Any]) -> list[int]:
+    """First column of each of `_input_projections` in the fused input projection."""
     widths = [p[n].shape[-1] for n in _input_projections(p)]
-    y_BO = linear(x_BD, p[FUSED_INPUT])
-    starts = [int(e - w) for e, w in zip(np.cumsum(widths), widths, strict=True)]
-    f = (y_BO, starts[3]) if "f_proj" in p else (linear(y_BO[:, starts[3]:starts[4]], p["f_b_proj"]), 0)
-    z = (y_BO, starts[4]) if "g_proj" in p else (linear(y_BO[:, starts[4]:starts[5]], p["g_b_proj"]), 0)
-    return Inputs(qkv=(y_BO, 0), f=f, z=z, b=(y_BO, starts[5]))
+    return [int(e - w) for e, w in zip(np.cumsum(widths), widths, strict=True)] + [int(sum(widths))]
 
 
 def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array, cache: KdaCacheStack, *,
                      cfg: LingConfig) -> tuple[jax.Array, KdaCacheStack]:
-    """`kda_mixer`'s decode step (one token per row) with everything between the two projections in
-    one kernel (`ops.kda.decode_layer`) on the segment's cache stacks, which come back updated in
-    place: (out [B, 1, D], the stacks). Takes the decode params (`fuse_input_projections`)."""
+    """`kda_mixer`'s decode step (one token per row) with the conv, gate and recurrence in one kernel
+    (`ops.kda.decode_layer`) on the segment's cache stacks: (out [B, 1, D], the cache with the state
+    stack updated in place and the layer's new window). Takes the decode params
+    (`fuse_input_projections`): q|k|v, f and the beta logits are read by column from the fused
+    projection's output, f through its second low-rank factor where the gates are low-rank."""
+    b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
+    s = _input_starts(p)
     with jax.named_scope("qkv"):
-        inputs = decode_layer_inputs(p, x_B1D[:, 0])
+        y_BO = linear(x_B1D[:, 0], p[FUSED_INPUT])
+        f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
+        z_BX = y_BO[:, s[4]:s[5]] if "g_proj" in p else linear(y_BO[:, s[4]:s[5]], p["g_b_proj"])
     with jax.named_scope("recurrence"):
-        o_BP, new = kda_decode_layer(inputs, cache, p[FUSED_CONV], p["A_log"], p["dt_bias"], p["o_norm"],
-                                     lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps)
-    return linear(o_BP, p["o_proj"])[:, None], new
+        o_BHV, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
+                                      p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
+    o_BHV = gated_rms_norm(o_BHV, z_BX.reshape(b, h, dh), p["o_norm"], cfg.rms_norm_eps)
+    return linear(o_BHV.reshape(b, h * dh), p["o_proj"])[:, None], new
 
 
 def kda_mixer(
@@ -203,7 +204,7 @@ def kda_mixer(
         elif t > 1:  # one matmul on the weights side by side: its gradient is one matmul, not a split + 3
             qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
         else:  # decode: no per-step copy of the weights
-            qkv_BT3P = jnp.concatenate([x_BTD @ p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=-1)
+            qkv_BT3P = jnp.concatenate([linear(x_BTD, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
         if t == 1 and cache is not None:
             # decode: keep the projections out of the fusion that stacks every layer's new conv window
             # (fused in, one ran as a 215 us loop on an H200: 3.64 -> 3.50 ms per batch-1 step without it)
