@@ -149,7 +149,7 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`). `linears`: the `LINEAR_LEAVES`
     projections as `layer_gemv.WeightStack`s. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s
-    too (the one-kernel KDA decode layer, `ops.kda.decode_layer`).
+    too (the KDA decode layer kernel, `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
@@ -213,7 +213,7 @@ class _KdaCaches:
 
 
 def _kda_views(cfg: LingConfig, t: Params | None, unroll: bool, caches: Any) -> bool:
-    """Whether the unrolled decode step runs the one-kernel KDA decode layer on these KDA layer params:
+    """Whether the unrolled decode step runs the KDA decode layer kernel on these KDA layer params:
     the Pallas decode kernels on one device, decode params (`FUSED_CONV`), heads the kernel takes."""
     return (t is not None and unroll and caches is not None and cfg.pallas_decode("kda")
             and not multi_device(context_mesh()) and FUSED_CONV in t["attn"]
@@ -247,7 +247,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     one row (the batch-1 decode step) and `cfg.pallas_decode("proj")`, the dense projections reach
     `layer_gemv.linear` as `WeightStack`s the same way. Unrolled with caches, decode params and
     `cfg.pallas_decode("kda")` on one device, the KDA layers run as Python loops that thread their
-    segment's cache stacks from layer to layer (`_KdaCaches`) into the one-kernel decode layer.
+    segment's cache stacks from layer to layer (`_KdaCaches`) through the KDA decode layer kernel.
     """
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,

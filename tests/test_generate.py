@@ -62,7 +62,7 @@ def debug_model():
 def test_fused_decode_projections(lora, monkeypatch):
     """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
     side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
-    give the same step as the separate weights. With low-rank gates, also through the one-kernel KDA
+    give the same step as the separate weights. With low-rank gates, also through the KDA
     decode layer (decode_impl "pallas", batch 2; batch 1: `test_batch1_projections_read_from_their_stacks`)."""
     cfg = LingConfig.preset("debug", no_kda_lora=not lora)
     params = init_params(cfg, seed=5)

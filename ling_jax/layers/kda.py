@@ -135,8 +135,8 @@ def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
     call; it holds a second copy of those weights meanwhile. Unchanged where they are FP8-resident
     (the concatenation would dequantize them). Zero columns pad the width to the gemv kernel's tiles
     (`ops.layer_gemv.pad_columns`); `_decode_inputs` reads the projections by their own widths.
-    Also `FUSED_CONV`, the q, k and v conv weights as one [.., 3P, W] array (what the one-kernel
-    decode layer reads, `ops.kda.decode_layer`)."""
+    Also `FUSED_CONV`, the q, k and v conv weights as one [.., 3P, W] array (what the KDA decode
+    layer kernel reads, `ops.kda.decode_layer`)."""
     ws = [p[n] for n in _input_projections(p)]
     if any(is_block_fp8(w) for w in ws):
         return p

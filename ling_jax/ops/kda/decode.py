@@ -9,8 +9,10 @@ slice, written back in place.
 Triton lowering on GPU, interpret mode elsewhere. The config's `pallas_decode("kda")` selects it
 ("pallas", or "auto" on a GPU). Timed alone on an H200 (`bench/decode_kernels.py`), it is as fast
 as the XLA step at batch 1 (13 vs 14 us: both launch-bound at 1 MB of state), slower at batch 8
-(23 vs 15 us) and faster at batch 16 (27 vs 35 us); in the unrolled step it takes 2.9 us per layer
-at batch 1 (BENCHMARKS.md). Its tiles are not yet tuned per batch size.
+(23 vs 15 us) and faster at batch 16 (27 vs 35 us); in the unrolled step it took 2.9 us per layer
+at batch 1 (BENCHMARKS.md). Its tiles are not yet tuned per batch size. The unrolled decode loop on
+one GPU now runs `ops.kda.decode_layer` instead (the conv, gate and this step in one launch); this
+kernel serves the scanned step and, per shard, a mesh.
 """
 
 from __future__ import annotations
