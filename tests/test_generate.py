@@ -37,7 +37,7 @@ def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len, unroll=
     return jnp.stack(out, axis=1)
 
 
-@pytest.mark.parametrize("attention", ["auto", "pallas"])
+@pytest.mark.parametrize("attention", ["auto", pytest.param("pallas", marks=pytest.mark.heavy)])
 def test_golden_greedy_decode(golden_a, attention):
     """The reference's greedy tokens and per-step logits; prefill's MLA also through the fused
     attention kernels (interpret mode on CPU; "auto" is the XLA softmax here)."""
@@ -114,7 +114,8 @@ def test_decode_loop_does_not_copy_the_latent_cache(debug_model):
     assert not copied, copied[:2]
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["layer_scans", "unrolled"])
+@pytest.mark.parametrize("unroll", [pytest.param(False, marks=pytest.mark.heavy), True],
+                         ids=["layer_scans", "unrolled"])
 def test_decode_equals_forward(debug_model, unroll):
     """Prefill of right-padded prompts + decode steps == one forward over each whole sequence,
     with the decode step's layers in scans and unrolled (what `decode_loop` runs by default)."""
@@ -243,6 +244,7 @@ def test_batch_invariance_and_sampling(debug_model):
     _batch_invariance_and_sampling(cfg, params)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_batch_invariance_fused_attention():
     """Prompts of mixed lengths (right-padded by prefill) with its MLA through the fused kernels:
     each prompt's greedy output as alone (interpret mode on CPU)."""

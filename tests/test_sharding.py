@@ -126,7 +126,7 @@ def test_load_hf_checkpoint_creates_sharded_arrays(golden_a):
 # ----------------------------------------------------------------------------- model through meshes
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "1x8" else n for n in MESHES])
 def test_golden_logits_through_mesh(golden_a, name):
     cfg, params, g = golden_a
     ids = jnp.asarray(g["prefill_input_ids"])
@@ -202,6 +202,7 @@ def _golden_steps_under_mesh(g, **overrides):
     return mesh, cfg, sparams, cache
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_decode_caches_follow_the_table(golden_a):
     """Prefill and decode steps under a data x expert x tensor mesh lay every cache leaf out by its
     role (rows over the token axes, KDA heads over tensor); the teacher-forced step logits stay golden."""

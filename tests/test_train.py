@@ -65,6 +65,7 @@ def fresh_state(cfg, opt, seed=0, tcfg=None):
     return init_state(cfg, tcfg or TrainConfig(**TCFG), opt, init_params(cfg, seed=seed))
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_tiny_model_learns(tiny):
     cfg, tcfg, opt, step = tiny
     batches = PackedBatches(corpus(300), seq_len=tcfg.seq_len, batch_size=tcfg.batch_size, eos_id=1)
@@ -87,6 +88,7 @@ def test_non_finite_step_is_skipped(tiny):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state["params"], before)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_bf16_compute_copy_follows_the_masters(tiny):
     """bf16 compute: the state carries the masters' bf16 copy (None at the float32-kept leaves) that
     the forward reads; each finite step rewrites it from the new masters, a skipped step keeps it,
@@ -133,6 +135,7 @@ def test_clip_by_norm_is_optax_clip_by_global_norm(max_norm):
     assert (float(optax.tree.norm(got)) < max_norm) == (max_norm == 50.0)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_unrolled_layers_step_equals_scanned(tiny):
     """unroll_layers=True (straight-line layers) takes the same step as the layer scans."""
     cfg, tcfg, opt, step = tiny
@@ -271,6 +274,7 @@ def test_cross_entropy_and_its_gradient_match_the_dense_softmax(monkeypatch, dty
         assert g.dtype == dtype and rel_l2(g, r) < tol
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_dots_kernels_policy_keeps_the_kernels_outputs():
     """Under remat "dots" the backward reruns the KDA forward kernels and the fused attention's
     forward; under "dots_kernels" it does not (as without remat), and the gradients are the same.

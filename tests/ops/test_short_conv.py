@@ -104,6 +104,7 @@ def test_triton_lowering(h200_lowering):
     assert "short_conv_bwd" in h200_lowering(jax.grad(loss, argnums=(0, 1)), x, w, seg)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_kda_layer_on_the_kernels_matches_xla():
     """The model's KDA mixer with kda_impl "pallas" (conv kernels, interpreted) equals the chunked
     path (XLA conv), output and gradients, on a packed batch."""
