@@ -46,7 +46,7 @@ class KdaCacheStack:
 
     state: jax.Array  # [L, B, H, K, V] float32
     conv: jax.Array  # [L, B, W-1, 3P] the last W-1 q|k|v inputs, activation dtype
-    layer: jax.Array  # int32 scalar, this layer's index in the stacks
+    layer: jax.Array | np.integer  # int32 scalar, this layer's index in the stacks (a constant in the decode step)
     window: jax.Array | None = None  # [B, W-1, 3P] this layer's new window (`kda_decode_layer`'s result)
 
 
@@ -65,11 +65,12 @@ def supported(dk: int, dv: int, width: int) -> bool:
     return is_pow2(dk) and is_pow2(dv) and min(dk, dv) >= 16 and width >= 2
 
 
-def _stack(w: jax.Array | WeightStack) -> tuple[jax.Array, jax.Array]:
-    """(stack [L, ...], layer) of a layer's weight given whole or as a view of its stack."""
+def _stack(w: jax.Array | WeightStack) -> tuple[jax.Array, jax.Array | np.integer]:
+    """(stack [L, ...], layer) of a layer's weight given whole or as a view of its stack; the layer
+    stays a numpy constant where it is one (the unrolled decode step's views)."""
     if isinstance(w, WeightStack):
-        return w.stack, jnp.asarray(w.layer, jnp.int32)
-    return w[None], jnp.int32(0)
+        return w.stack, w.layer
+    return w[None], np.int32(0)
 
 
 def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, width: int, bv: int,
@@ -147,7 +148,7 @@ def kda_decode_layer(
     slot = {id(a): i for i, a in enumerate(arrays)}
     stacks = [_stack(x) for x in (conv_w, a_log, dt_bias)]
     layers = [cache.layer, *(layer for _, layer in stacks)]
-    concrete = all(isinstance(x, (int, np.integer, np.ndarray)) for x in layers)  # a constant operand: no launch
+    concrete = all(isinstance(x, (int, np.integer, np.ndarray)) for x in layers)  # a constant operand, no launch
     idx = np.asarray(layers, np.int32) if concrete else jnp.stack([jnp.asarray(x, jnp.int32) for x in layers])
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
