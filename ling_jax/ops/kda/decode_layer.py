@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
 
@@ -98,16 +99,11 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
 
         return jax.nn.silu(acc).astype(dtype)
 
-    def l2_normalize(x: jax.Array) -> jax.Array:
-        x32 = x.astype(f32)
-        return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32) + 1e-6)
-
     q_K = l2_normalize(conv_silu(h * dk, dk, j == 0)) * scale  # every program of the head: the same q, k
     k_K = l2_normalize(conv_silu(p + h * dk, dk, j == 0))
     v_V = conv_silu(2 * p + h * dv + j * bv, bv, True).astype(f32)
     x_K = srcs[sf][b, pl.ds(of + h * dk, dk)].astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
-    a = jnp.exp(a_log_ref[la, h].astype(f32))
-    g_K = -a * jax.nn.softplus(x_K) if lower_bound is None else lower_bound * jax.nn.sigmoid(a * x_K)
+    g_K = log_decay(x_K, jnp.exp(a_log_ref[la, h].astype(f32)), lower_bound)
     beta = jax.nn.sigmoid(srcs[sb][b, ob + h].astype(f32))
     cols = pl.ds(j * bv, bv)
     s_KV = state_ref[lc, b, h, :, cols] * jnp.exp(g_K)[:, None]

@@ -19,7 +19,11 @@ def kda_gate(
     """Log decay g [B, T, H, K] float32, in (lower_bound, 0) for the safe gate."""
     h, dk = f.shape[-2:]
     x = f.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(h, dk)
-    a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+    return log_decay(x, jnp.exp(a_log.astype(jnp.float32))[:, None], lower_bound)
+
+
+def log_decay(x: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
+    """The gate from x = f + dt_bias and a = exp(A_log), float32 (also inside the decode kernel)."""
     if lower_bound is None:  # the Kimi gate, not used by Ling-3 checkpoints
         return -a * jax.nn.softplus(x)
     return lower_bound * jax.nn.sigmoid(a * x)
