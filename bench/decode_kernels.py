@@ -14,6 +14,9 @@ kernel around the op (split merges, partial sums) is counted. Ops:
   latent   the absorbed-MLA decode attention over a latent cache filled to each context,
            `mla_decode.latent_attention` vs `latent_attention_pallas`
   kda      one KDA token step on the fp32 state, `kda_decode_step` vs `kda_decode_step_pallas`
+  proj     batch 1 only: a KDA layer's two dense projections read from their layer stack (the fused
+           input projection, hidden -> 5 x H x K + H padded to the kernel's tile, and o_proj),
+           `layer_gemv.linear` on a `WeightStack` (the gemv kernel) vs XLA's product of the slice
 
 Reported: us per instance, GB/s of the bytes the op must read (and write, for the state),
 and the relative L2 difference of the two implementations' outputs on the device.
@@ -43,6 +46,7 @@ from bench.common import machine, median_time, write_json
 from ling_jax.cache import LATENT_BLOCK
 from ling_jax.config import LingConfig
 from ling_jax.ops import expert_gemv
+from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops import latent_attention_pallas as latent_kernel
 from ling_jax.ops.kda import decode as kda_decode
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
@@ -50,15 +54,19 @@ from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.mla_decode import latent_attention
 from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
 
+GEMV_SWEEP = [dict(MAX_BC=64, MAX_BO=128, NUM_WARPS=4, NUM_STAGES=1, TARGET_PROGRAMS=0)] + [
+    dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w, NUM_STAGES=st, TARGET_PROGRAMS=tp) for tp, (bc, bo), (w, st) in
+    itertools.product((264, 1056), ((64, 128), (32, 128), (64, 64)), ((4, 2), (4, 3), (8, 3)))]
 SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
-    "moe": (expert_gemv, [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w) for (bc, bo), w in itertools.product(
-        ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64)), (4, 8))][:8]),
+    "moe": (expert_gemv, GEMV_SWEEP),
+    "proj_in": (expert_gemv, GEMV_SWEEP),
+    "proj_out": (expert_gemv, GEMV_SWEEP),
     "latent": (latent_kernel, [dict(BK=bk, TARGET_PROGRAMS=tp, NUM_WARPS=w, NUM_STAGES=st) for bk, tp, (w, st) in
                                itertools.product((64, 32), (264, 132), ((4, 2), (8, 2), (8, 3)))]),
     "kda": (kda_decode, [dict(BV=32, MIN_PROGRAMS=132, NUM_WARPS=4)] + [
         dict(BV=bv, MIN_PROGRAMS=0, NUM_WARPS=w) for bv, w in itertools.product((16, 32, 64), (4, 2, 1))]),
 }
-PALLAS = {"moe": "gemv", "latent": "pallas", "kda": "pallas"}  # the kernel's name in each bench's timings
+PALLAS = {"moe": "gemv", "proj_in": "gemv", "proj_out": "gemv", "latent": "pallas", "kda": "pallas"}  # the kernel's name in each bench's timings
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float = 1.0) -> jax.Array:
@@ -104,6 +112,26 @@ def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
     return {"op": "moe", "batch": batch, "copies": batch * k, "us": us, "bytes": nbytes,
             "GBps": _gbps(nbytes, us),
             "rel_l2_gemv_vs_gather": None if only else _rel(outs["gemv"], outs["gather"])}
+
+
+def bench_proj(cfg: LingConfig, which: str, calls: int, reps: int, key: jax.Array,
+               only: str | None = None) -> dict[str, Any]:
+    """One row through one of `calls` layers' weights of a [calls, C, O] stack per instance."""
+    h, dk, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    c, o = (d, -(-(5 * h * dk + h) // expert_gemv.MAX_BO) * expert_gemv.MAX_BO) if which == "in" else (h * dk, d)
+    kw, kx = jax.random.split(key)
+    stack = _normal(kw, (calls, c, o), jnp.bfloat16, 0.02)
+    x = _normal(kx, (calls, 1, c), jnp.bfloat16)
+    products = {"gemv": lambda x, i: linear(x, WeightStack(stack, np.int32(i))), "xla": lambda x, i: x @ stack[i]}
+
+    def run(impl: str) -> Callable[[], Any]:
+        f = jax.jit(lambda x: jnp.stack([products[impl](x[i], i) for i in range(calls)]))
+        return lambda: f(x)
+
+    us, outs = _time({"xla": run("xla"), "gemv": run("gemv")}, calls, reps, only)
+    nbytes = float(c * o * 2)
+    return {"op": f"proj_{which}", "batch": 1, "shape": [c, o], "us": us, "bytes": nbytes, "GBps": _gbps(nbytes, us),
+            "rel_l2_gemv_vs_xla": None if only else _rel(outs["gemv"], outs["xla"])}
 
 
 def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, reps: int,
@@ -183,7 +211,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--calls", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--ops", nargs="+", default=["moe", "latent", "kda"], choices=["moe", "latent", "kda"])
+    ap.add_argument("--ops", nargs="+", default=["moe", "latent", "kda", "proj"],
+                    choices=["moe", "latent", "kda", "proj"])
     ap.add_argument("--sweep", action="store_true", help="the Pallas kernels alone over their SWEEPS variants")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU interpret-mode check)")
     args = ap.parse_args()
@@ -198,6 +227,9 @@ def main() -> None:
         one = swept if args.sweep else (lambda op, bench, *a: bench(*a))
         if "moe" in args.ops and b * cfg.num_experts_per_tok <= GATHER_MAX_COPIES:  # beyond: gemv is not used
             runs.append(one("moe", bench_moe, cfg, b, args.calls, args.reps, jax.random.fold_in(key, b)))
+        if "proj" in args.ops and b == 1:  # only batch 1 reads layer projections through the kernel
+            runs += [one(f"proj_{w}", bench_proj, cfg, w, args.calls, args.reps, jax.random.fold_in(key, b + 2))
+                     for w in ("in", "out")]
         if "kda" in args.ops:
             runs.append(one("kda", bench_kda, cfg, b, args.calls, args.reps, jax.random.fold_in(key, b + 1)))
         if "latent" in args.ops:

@@ -4,9 +4,11 @@ At decode a MoE layer sees a few token copies (N tokens x k choices), so its exp
 weight-vector products whose whole cost is reading the chosen experts' weights. XLA lowers them to
 a reduction whose fused gather walks every [C, O] weight column by column (0.36 TB/s on an H200,
 BENCHMARKS.md). Here every program reads one [BC, BO] tile of one copy's expert as contiguous
-rows, multiplies it by that copy's BC inputs and sums over BC in float32. The grid is (copy,
-output tile, input tile): the reduction is split across programs so that even one copy keeps
-every SM streaming, and the [S, M, O] partial sums (S = C / BC, a few hundred KB) are added by XLA.
+rows at a time, multiplies it by that copy's BC inputs and accumulates in float32, looping over
+`C / (BC * S)` such tiles (Triton pipelines the loop's loads, NUM_STAGES deep). The grid is (copy,
+output tile, split of C): the reduction is split into the fewest S parts that give TARGET_PROGRAMS
+programs, so that even one copy keeps every SM streaming, and the [S, M, O] partial sums are added
+by XLA.
 
 Triton lowering on GPU; interpret mode elsewhere (tests). Tiles are powers of two (Triton's rule)
 dividing C and O; `supported` says whether a shape has them. `ops.moe` runs it as `impl="gemv"`.
@@ -32,6 +34,8 @@ MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per th
 MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
+NUM_STAGES = 1
+TARGET_PROGRAMS = 0  # 0: one tile per program (S = C / BC)
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -49,15 +53,28 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
+def _splits(m: int, c: int, o: int, bc: int, bo: int) -> int:
+    """S: the fewest parts of C's tiles (dividing their count) giving TARGET_PROGRAMS programs."""
+    tiles = c // bc
+    for parts in range(1, tiles + 1):
+        if tiles % parts == 0 and m * (o // bo) * parts >= TARGET_PROGRAMS:
+            return parts
+    return tiles
+
+
 def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            bc: int, bo: int):
+            bc: int, bo: int, steps: int):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = idx_ref[m]
-    x_C = x_ref[row_ref[m], pl.ds(s * bc, bc)].astype(jnp.float32)
+    e, row = idx_ref[m], row_ref[m]
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def product(w_ref, col):
-        return jnp.sum(x_C[:, None] * w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32), axis=0)
+        def step(i, acc_CO):
+            c0 = pl.multiple_of((s * steps + i) * bc, bc)
+            x_C = x_ref[row, pl.ds(c0, bc)].astype(jnp.float32)
+            return acc_CO + x_C[:, None] * w_ref[e, pl.ds(c0, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32)
+
+        return jnp.sum(jax.lax.fori_loop(0, steps, step, jnp.zeros((bc, bo), jnp.float32)), axis=0)
 
     @pl.when(m < n_main)
     def _():
@@ -103,15 +120,16 @@ def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
-    s = c // bc
+    s = _splits(m, c, o, bc, bo)
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo),
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo,
+                          steps=c // bc // s),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *weights, *extra_arrays)
     return tuple(p.sum(0) for p in partials)

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
+from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import gathered_products, supported
+
+
+@pytest.fixture(params=[0, 1, 6], ids=["tile_per_program", "whole_c_loop", "split_loop"])
+def target_programs(request, monkeypatch):
+    """The kernel's split of C: one tile per program (0), a loop over all of C per program (1 program
+    wanted), or the fewest splits giving 6 programs (a loop of a few tiles)."""
+    monkeypatch.setattr(expert_gemv, "TARGET_PROGRAMS", request.param)
+    return request.param
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -21,8 +30,9 @@ def _case(rng, m, e, c, o, dtype):
 
 @pytest.mark.parametrize("m,c,o", [(1, 64, 16), (5, 96, 48), (64, 160, 128)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-6)])
-def test_products_equal_gathered_einsum(m, c, o, dtype, tol):
-    """Awkward copy counts and widths whose tiles are not the largest ones (96 -> 32, 48 -> 16, 160 -> 32)."""
+def test_products_equal_gathered_einsum(m, c, o, dtype, tol, target_programs):
+    """Awkward copy counts and widths whose tiles are not the largest ones (96 -> 32, 48 -> 16, 160 -> 32),
+    each tile per program or looped over."""
     x, idx, ws = _case(np.random.default_rng(m), m, 7, c, o, dtype)
     got = gathered_products(x, idx, ws)
     for g, w in zip(got, ws, strict=True):
@@ -43,7 +53,7 @@ def test_each_token_row_serves_its_copies():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_extra_copies_read_the_second_stack(dtype):
+def test_extra_copies_read_the_second_stack(dtype, target_programs):
     """extra: the copies from n_main on (one per token row) read output j from (stack_j, first column) — the shared
     expert's gate and up from one fused [C, 2O] matrix at columns 0 and O, in the routed launch."""
     rng = np.random.default_rng(8)
@@ -83,7 +93,7 @@ def test_triton_lowering(h200_lowering):
         return gathered_products(x, i, (a, b), rows=np.array([0] * 8 + [0]), extra=((gu, 0), (gu, a.shape[-1])),
                                  n_main=8, interpret=False)
 
-    for e, c, o in ((128, 1536, 512), (512, 4096, 1280), (512, 1280, 4096)):
+    for e, c, o in ((128, 1536, 512), (512, 4096, 1280), (512, 1280, 4096), (24, 1536, 10368)):
         mlir = h200_lowering(fn, sd((8, c), bf), sd((8,), jnp.int32), sd((e, c, o), bf), sd((e, c, o), bf))
         assert "triton" in mlir
     mlir = h200_lowering(with_shared, sd((1, 1536), bf), sd((9,), jnp.int32), sd((128, 1536, 512), bf),
