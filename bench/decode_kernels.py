@@ -46,11 +46,11 @@ from bench.common import machine, median_time, write_json
 from ling_jax.cache import LATENT_BLOCK
 from ling_jax.config import LingConfig
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops import latent_attention_pallas as latent_kernel
 from ling_jax.ops.kda import decode as kda_decode
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
+from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops.mla_decode import latent_attention
 from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
 
@@ -66,7 +66,8 @@ SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
     "kda": (kda_decode, [dict(BV=32, MIN_PROGRAMS=132, NUM_WARPS=4)] + [
         dict(BV=bv, MIN_PROGRAMS=0, NUM_WARPS=w) for bv, w in itertools.product((16, 32, 64), (4, 2, 1))]),
 }
-PALLAS = {"moe": "gemv", "proj_in": "gemv", "proj_out": "gemv", "latent": "pallas", "kda": "pallas"}  # the kernel's name in each bench's timings
+# the kernel's name in each bench's timings
+PALLAS = {"moe": "gemv", "proj_in": "gemv", "proj_out": "gemv", "latent": "pallas", "kda": "pallas"}
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float = 1.0) -> jax.Array:
