@@ -54,9 +54,9 @@ from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops.mla_decode import latent_attention
 from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
 
-GEMV_SWEEP = [dict(MAX_BC=64, MAX_BO=128, NUM_WARPS=4, NUM_STAGES=1, TARGET_PROGRAMS=0)] + [
-    dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w, NUM_STAGES=st, TARGET_PROGRAMS=tp) for tp, (bc, bo), (w, st) in
-    itertools.product((264, 1056), ((64, 128), (32, 128), (64, 64)), ((4, 2), (4, 3), (8, 3)))]
+GEMV_SWEEP = [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w, NUM_STAGES=st, TARGET_PROGRAMS=tp) for tp, bc, bo, w, st in (
+    (0, 64, 128, 4, 1), (264, 64, 128, 4, 3), (528, 64, 128, 4, 3), (264, 32, 128, 4, 3), (264, 64, 64, 4, 3),
+    (1056, 64, 128, 4, 2), (264, 64, 128, 8, 3))]
 SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
     "moe": (expert_gemv, GEMV_SWEEP),
     "proj_in": (expert_gemv, GEMV_SWEEP),
