@@ -34,8 +34,8 @@ MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per th
 MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
-NUM_STAGES = 1
-TARGET_PROGRAMS = 0  # 0: one tile per program (S = C / BC)
+NUM_STAGES = 3
+TARGET_PROGRAMS = 264  # two per SM of an H200; 0: one tile per program (S = C / BC)
 
 
 def _tile(n: int, cap: int) -> int | None:
