@@ -147,9 +147,11 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     `dtype` (FP8-resident or other-dtype stacks are sliced and converted per layer, as before).
     `experts`: the routed-expert stacks as `ExpertStack`s, and the fused shared expert
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
-    the routed experts' gemv launches, `ops.moe.SharedStacks`). `linears`: the `LINEAR_LEAVES`
-    projections as `layer_gemv.WeightStack`s. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s
-    too (the KDA decode layer kernel, `ops.kda.decode_layer`).
+    the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
+    `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
+    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) too.
+    `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
+    `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
@@ -173,6 +175,11 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
                 and moe_ops.shared_fits(*stacks["mlp", "gate_proj"][1].shape[-2:], shared[1].shape[-2])):
             for name in SHARED_LEAVES:  # one expert per layer: [L, 1, C, O]
                 take("mlp", name, ExpertStack, True)
+        if isinstance(mlp_p["expert_bias"], jax.Array):
+            take("mlp", "expert_bias", WeightStack, False)
+    if linears and "router" in subs.get("mlp", {}) and layer_gemv.stackable(
+            subs["mlp"]["router"], lead, subs["mlp"]["router"].dtype):
+        take("mlp", "router", WeightStack, False)
     if linears:
         for sub, names in LINEAR_LEAVES.items():
             for name in names:

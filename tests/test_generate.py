@@ -334,17 +334,17 @@ def test_long_prompt_bucket_larger_than_the_cache(golden_a):
 
 def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
-    MLA q_a/q_b/kv_a/g/dense, the dense MLP) through the gemv kernel on its whole segment stack
-    (`ops.layer_gemv`) and gives the XLA step's logits and caches; at batch 2 it does not."""
+    MLA q_a/q_b/kv_a/g/dense, the dense MLP, the MoE router) through the gemv kernel on its whole
+    segment stack (`ops.layer_gemv`) and gives the XLA step's logits and caches; at batch 2 it does not."""
     from ling_jax.ops import expert_gemv
 
-    cfg = LingConfig.preset("debug", num_hidden_layers=6)
+    cfg = LingConfig.preset("debug", num_hidden_layers=6, num_experts=16)  # a router [64, 16] the kernel tiles
     params = init_params(cfg, seed=9)
     fused = fuse_for_decode(cfg, params)
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gather")
-    real = expert_gemv.gathered_products
+    real = expert_gemv.gathered_partials
     calls = []
-    monkeypatch.setattr(expert_gemv, "gathered_products", lambda *a, **k: calls.append(a[2][0].shape) or real(*a, **k))
+    monkeypatch.setattr(expert_gemv, "gathered_partials", lambda *a, **k: calls.append(a[2][0].shape) or real(*a, **k))
     for b in (1, 2):
         prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
         cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
@@ -367,5 +367,9 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
                         w = tree[sub].get(name)
                         if stackable(w, lead, params["embed"].dtype):
                             want_shapes.add((int(np.prod(w.shape[:lead])), *w.shape[lead:]))
+                r = tree["mlp"].get("router")  # float32, through the kernel too where it tiles
+                if stackable(r, lead, getattr(r, "dtype", None)):
+                    want_shapes.add((int(np.prod(r.shape[:lead])), *r.shape[lead:]))
         assert {(cfg.kda_dim, cfg.hidden_size), (cfg.hidden_size, cfg.hidden_size)} & {s[1:] for s in want_shapes}
+        assert (cfg.hidden_size, cfg.num_experts) in {s[1:] for s in want_shapes}
         assert set(calls) == want_shapes  # whole segment stacks (the group's KDA layers: a stack of 2)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
+from ling_jax.ops.layer_gemv import WeightStack, partial_products
 from ling_jax.ops.moe import (
     EXPERT_LEAVES,
     ExpertStack,
@@ -76,21 +77,31 @@ def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     return cfg.decode_impl == "pallas" or on_gpu()
 
 
-def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array,
+def route(x_ND: jax.Array, w_router_DE: jax.Array | WeightStack, bias_E: jax.Array | WeightStack,
           cfg: LingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
 
     Selection ranks `sigmoid(logits) + bias`: groups by the sum of their top-2, the best
     `topk_group` groups kept, then the top-k experts inside them. Weights are the *unbiased*
     scores of the chosen experts, renormalised (k > 1) and scaled by `routed_scaling_factor`.
-    Where `route_kernel` says so, everything after the router matmul is one Pallas kernel.
+    Where `route_kernel` says so, everything after the router matmul is one Pallas kernel. The
+    batch-1 decode step passes the router and the bias as `WeightStack`s (`model.run_stack`): the
+    router matmul is then the gemv kernel's, in float32, and the selection kernel adds its partial
+    sums and reads the bias in place (`ops.route_pallas`).
     """
     n, e = x_ND.shape[0], w_router_DE.shape[1]
-    logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=router_precision())
+    if isinstance(w_router_DE, WeightStack):
+        logits_SNE = partial_products(x_ND, w_router_DE)
+        logits_NE = logits_SNE.sum(0)
+    else:
+        logits_SNE = logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32),
+                                            precision=router_precision())
     if route_kernel(cfg, n):
-        idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        idx_NK, w_NK = select_experts(logits_SNE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                       k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)
         return idx_NK, w_NK, logits_NE
+    if isinstance(bias_E, WeightStack):
+        bias_E = bias_E.value()
     scores_NE = jax.nn.sigmoid(logits_NE)
     sel_NE = scores_NE + bias_E.astype(jnp.float32)
     sel_NGX = sel_NE.reshape(n, cfg.n_group, e // cfg.n_group)

@@ -102,6 +102,16 @@ def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
     and up read from one fused matrix at columns 0 and I). `interpret` defaults to True off GPU.
     """
+    return tuple(p.sum(0) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
+                                                     interpret=interpret))
+
+
+def gathered_partials(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+                      rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
+                      n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
+    over S parts of C (S from the shape and TARGET_PROGRAMS), for a consumer that adds them itself
+    (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
     r, c = x_RC.shape
     m = idx_M.shape[0]
     o = weights[0].shape[-1]
@@ -132,4 +142,4 @@ def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *weights, *extra_arrays)
-    return tuple(p.sum(0) for p in partials)
+    return tuple(partials)

@@ -31,6 +31,10 @@ class WeightStack:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.stack.shape[1:])
 
+    def value(self) -> jax.Array:
+        """The layer's weight as an array (a slice of the stack: XLA copies it for a custom call)."""
+        return self.stack[self.layer]
+
 
 def pad_columns(w: jax.Array) -> jax.Array:
     """w [..., C, O] with zero columns appended up to a multiple of the kernel's widest output tile
@@ -55,10 +59,16 @@ def linear(x: jax.Array, w: jax.Array | WeightStack) -> jax.Array:
     decode step, where `model.run_stack` makes them); an array runs XLA's product."""
     if not isinstance(w, WeightStack):
         return x @ w.astype(x.dtype)
+    return partial_products(x, w).sum(0).astype(x.dtype)
+
+
+def partial_products(x: jax.Array, w: WeightStack) -> jax.Array:
+    """x [..., C] @ w [C, O] through the gemv kernel before the sum of its split of C: [S, ..., O]
+    float32 partial sums (`expert_gemv.gathered_partials`), for a consumer that adds them itself."""
     c, o = w.shape
     if x.shape[-1] != c:
         raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
     rows_RC = x.reshape(-1, c)
-    idx_R = jnp.broadcast_to(w.layer.astype(jnp.int32), (rows_RC.shape[0],))
-    (y_RO,) = expert_gemv.gathered_products(rows_RC, idx_R, (w.stack,))
-    return y_RO.astype(x.dtype).reshape(*x.shape[:-1], o)
+    idx_R = jnp.broadcast_to(jnp.asarray(w.layer, jnp.int32), (rows_RC.shape[0],))
+    (parts_SRO,) = expert_gemv.gathered_partials(rows_RC, idx_R, (w.stack,))
+    return parts_SRO.reshape(parts_SRO.shape[0], *x.shape[:-1], o)

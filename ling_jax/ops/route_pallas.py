@@ -14,6 +14,11 @@ whose scores tie to within that bit).
 
 The weights' gradient (the kernel has none) is the XLA form's, recomputed from the logits and the
 chosen indices (`custom_vjp`): the kernel can stand in anywhere `route` runs.
+
+In the batch-1 decode step the router matmul is the gemv kernel's (`layer_gemv.partial_products`)
+and this kernel adds its [S, N, E] partial sums, and it reads the layer's bias from its segment's
+[L, E] stack (`layer_gemv.WeightStack`): XLA would run the sum as a launch and copy a sliced bias
+before the custom call. Those inputs take no gradient (a decode step).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis
+from ling_jax.ops.layer_gemv import WeightStack
+from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis, whole
 
 NUM_WARPS = 1  # one row per program: every reduction stays inside one warp (shuffles, no barriers)
 
@@ -38,11 +44,14 @@ def combine_weights(scores_NE: jax.Array, idx_NK: jax.Array, scale: float) -> ja
     return w_NK * scale
 
 
-def _kernel(logits_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, topk_group: int, k: int,
+def _kernel(logits_ref, layer_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, topk_group: int, k: int,
             scale: float):
     f32, ninf = jnp.float32, -jnp.inf
-    scores = jax.nn.sigmoid(logits_ref[...])  # [BN, Ep]
-    sel = scores + bias_ref[...]  # padded experts: bias -inf
+    row = pl.ds(pl.program_id(0), 1)
+    logits = jax.lax.fori_loop(1, logits_ref.shape[0], lambda j, acc: acc + logits_ref[j, row, :],
+                               logits_ref[0, row, :])  # [1, Ep]: the sum of the S partial sums
+    scores = jax.nn.sigmoid(logits)
+    sel = scores + bias_ref[pl.ds(layer_ref[0], 1), :].astype(f32)  # padded experts: bias -inf
     sel = jnp.where(sel != sel, ninf, sel)  # NaN scores rank last: every chosen index stays a real expert
     grp = group_ref[...]  # [1, Ep] int32 group of each expert; n_group for the padding
     ep = sel.shape[1]
@@ -81,51 +90,60 @@ def _kernel(logits_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, to
     w_ref[...] = w * scale
 
 
-def _select(logits_NE: jax.Array, bias_E: jax.Array, n_group: int, topk_group: int, k: int, scale: float,
-            interpret: bool | None) -> tuple[jax.Array, jax.Array]:
-    n, e = logits_NE.shape
+def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, topk_group: int, k: int,
+            scale: float, interpret: bool | None) -> tuple[jax.Array, jax.Array]:
+    n, e = logits_SNE.shape[1:]
     ep, kp = next_pow2(e), next_pow2(k)
-    logits = pad_axis(logits_NE.astype(jnp.float32), 1, ep)
-    bias = bias_E.astype(jnp.float32)[None]
-    if ep > e:
-        bias = jnp.pad(bias, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
+    logits = pad_axis(logits_SNE.astype(jnp.float32), 2, ep)
+    if isinstance(bias, WeightStack) and ep == e:  # read in place: row `layer` of the stack
+        bias_LE, layer = bias.stack, jnp.asarray(bias.layer, jnp.int32).reshape(1)
+    else:
+        bias_E = bias.value() if isinstance(bias, WeightStack) else bias
+        bias_LE, layer = bias_E.astype(jnp.float32)[None], np.zeros(1, np.int32)
+        if ep > e:
+            bias_LE = jnp.pad(bias_LE, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
     group = np.minimum(np.arange(ep, dtype=np.int32) // (e // n_group), n_group)[None]  # a constant
     # one token per program: the rounds of the kernel are a serial chain; rows in parallel fill the GPU
-    rows = pl.BlockSpec((1, ep), lambda i: (i, 0))
-    vec = pl.BlockSpec((1, ep), lambda i: (0, 0))
     out = pl.BlockSpec((1, kp), lambda i: (i, 0))
     idx, w = pl.pallas_call(
         functools.partial(_kernel, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32), jax.ShapeDtypeStruct((n, kp), jnp.float32)],
         grid=(n,),
-        in_specs=[rows, vec, vec],
+        in_specs=[whole(logits), whole(layer), whole(bias_LE),
+                  pl.BlockSpec((1, ep), lambda i: (0, 0))],
         out_specs=[out, out],
         name="route_select",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(logits, bias, jnp.asarray(group))
+    )(logits, jnp.asarray(layer), bias_LE, jnp.asarray(group))
     return idx[:, :k], w[:, :k]
 
 
-def select_experts(logits_NE: jax.Array, bias_E: jax.Array, *, n_group: int, topk_group: int, k: int,
-                   scale: float, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def select_experts(logits_NE: jax.Array, bias_E: jax.Array | WeightStack, *, n_group: int, topk_group: int,
+                   k: int, scale: float, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] float32) from router logits [N, E] and the
     selection bias [E]: `layers.moe.route`'s selection (module doc). E must be divisible by n_group;
-    `interpret` defaults to True off GPU. Differentiable in the logits (the bias only ranks)."""
-    e = logits_NE.shape[1]
+    `interpret` defaults to True off GPU. Differentiable in the logits (the bias only ranks).
+
+    Or, in a decode step (no gradient), logits as [S, N, E] partial sums to add and the bias as a
+    `WeightStack` of [E] rows (module doc)."""
+    e = logits_NE.shape[-1]
     if e % n_group or e // n_group < 2 or not 0 < topk_group <= n_group or not 0 < k <= topk_group * (e // n_group):
         raise ValueError(f"select_experts: E={e}, n_group={n_group}, topk_group={topk_group}, k={k}: need E "
                          "divisible by n_group into groups of >= 2, 0 < topk_group <= n_group, "
                          "0 < k <= topk_group * E / n_group")
+    if logits_NE.ndim == 3 or isinstance(bias_E, WeightStack):
+        logits_SNE = logits_NE if logits_NE.ndim == 3 else logits_NE[None]
+        return _select(logits_SNE, bias_E, n_group, topk_group, k, scale, interpret)
     return _select_vjp(logits_NE, bias_E, n_group, topk_group, k, scale, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _select_vjp(logits_NE, bias_E, n_group, topk_group, k, scale, interpret):
-    return _select(logits_NE, bias_E, n_group, topk_group, k, scale, interpret)
+    return _select(logits_NE[None], bias_E, n_group, topk_group, k, scale, interpret)
 
 
 def _select_fwd(logits_NE, bias_E, n_group, topk_group, k, scale, interpret):
-    idx, w = _select(logits_NE, bias_E, n_group, topk_group, k, scale, interpret)
+    idx, w = _select(logits_NE[None], bias_E, n_group, topk_group, k, scale, interpret)
     return (idx, w), (logits_NE, bias_E, idx)
 
 

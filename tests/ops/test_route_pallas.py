@@ -12,6 +12,7 @@ import pytest
 
 from ling_jax.config import LingConfig
 from ling_jax.layers.moe import ROUTE_KERNEL_MAX_TOKENS, route, route_kernel
+from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import select_experts
 
@@ -54,6 +55,27 @@ def test_kernel_selects_what_the_xla_form_selects(n, e, g, tg, k, ties):
     np.testing.assert_array_equal(idx_p, idx_x)  # same experts in the same (descending, lowest-index) order
     np.testing.assert_allclose(w_p, w_x, rtol=1e-6, atol=1e-7)
     assert len(np.unique(np.asarray(idx_p), axis=1)[0]) == k  # k distinct experts
+
+
+@pytest.mark.parametrize("layer", [np.int32(1), jnp.int32(2)], ids=["constant_layer", "traced_layer"])
+@pytest.mark.parametrize("n,e,g,tg,k", [CASES[0], CASES[2], CASES[4]])
+def test_decode_form_reads_router_and_bias_from_their_stacks(n, e, g, tg, k, layer):
+    """The batch-1 decode step's form: the router matmul in the gemv kernel (its partial sums added
+    by the selection kernel) and the bias read in place from its [L, E] stack (padded E: sliced)."""
+    xla, pallas = _configs(e, g, tg, k)
+    rng = np.random.default_rng(e + k)
+    x = jnp.asarray(rng.standard_normal((n, 32)), jnp.float32)
+    w_LDE = jnp.asarray(rng.standard_normal((3, 32, e)) * 0.3, jnp.float32)
+    bias_LE = jnp.asarray(rng.standard_normal((3, e)) * 0.1, jnp.float32)
+    idx_x, w_x, logits_x = route(x, w_LDE[int(layer)], bias_LE[int(layer)], xla)
+    run = jax.jit(lambda x, w, b: route(x, WeightStack(w, layer), WeightStack(b, layer), pallas))
+    idx_p, w_p, logits_p = run(x, w_LDE, bias_LE)
+    np.testing.assert_allclose(logits_p, logits_x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(idx_p, idx_x)
+    np.testing.assert_allclose(w_p, w_x, rtol=1e-5, atol=1e-7)
+    idx_s, w_s, _ = route(x, w_LDE[int(layer)], WeightStack(bias_LE, layer), xla)  # the XLA form slices it
+    np.testing.assert_array_equal(idx_s, idx_x)
+    np.testing.assert_array_equal(w_s, w_x)
 
 
 def test_nan_scores_still_choose_real_experts():
@@ -106,3 +128,9 @@ def test_triton_lowering(h200_lowering):
             return select_experts(logits, bias, n_group=8, topk_group=4, k=8, scale=2.5, interpret=False)
 
         assert "triton" in h200_lowering(fn, sd((n, e), jnp.float32), sd((e,), jnp.float32))
+
+    def decode_form(parts, bias_stack):  # [S, 1, E] partial sums, the bias in its [L, E] stack
+        return select_experts(parts, WeightStack(bias_stack, np.int32(3)), n_group=8, topk_group=4, k=8, scale=2.5,
+                              interpret=False)
+
+    assert "triton" in h200_lowering(decode_form, sd((24, 1, 128), jnp.float32), sd((23, 128), jnp.float32))
