@@ -63,19 +63,23 @@ def test_decode_form_reads_router_and_bias_from_their_stacks(n, e, g, tg, k, lay
     """The batch-1 decode step's form: the router matmul in the gemv kernel (its partial sums added
     by the selection kernel) and the bias read in place from its [L, E] stack (padded E: sliced)."""
     xla, pallas = _configs(e, g, tg, k)
+    assert pallas.routed_scaling_factor == 2.5
     rng = np.random.default_rng(e + k)
     x = jnp.asarray(rng.standard_normal((n, 32)), jnp.float32)
     w_LDE = jnp.asarray(rng.standard_normal((3, 32, e)) * 0.3, jnp.float32)
     bias_LE = jnp.asarray(rng.standard_normal((3, e)) * 0.1, jnp.float32)
-    idx_x, w_x, logits_x = route(x, w_LDE[int(layer)], bias_LE[int(layer)], xla)
     run = jax.jit(lambda x, w, b: route(x, WeightStack(w, layer), WeightStack(b, layer), pallas))
     idx_p, w_p, logits_p = run(x, w_LDE, bias_LE)
-    np.testing.assert_allclose(logits_p, logits_x, rtol=1e-5, atol=1e-6)
+    logits64 = np.asarray(x, np.float64) @ np.asarray(w_LDE[int(layer)], np.float64)
+    np.testing.assert_allclose(logits_p, logits64, rtol=1e-5, atol=1e-6)  # float32 products, float32 sums
+    # the selection from the same logits as one array and the bias as a plain [E] vector
+    idx_x, w_x = select_experts(logits_p, bias_LE[int(layer)], n_group=g, topk_group=tg, k=k, scale=2.5)
     np.testing.assert_array_equal(idx_p, idx_x)
-    np.testing.assert_allclose(w_p, w_x, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(w_p, w_x, rtol=1e-6, atol=1e-7)
     idx_s, w_s, _ = route(x, w_LDE[int(layer)], WeightStack(bias_LE, layer), xla)  # the XLA form slices it
-    np.testing.assert_array_equal(idx_s, idx_x)
-    np.testing.assert_array_equal(w_s, w_x)
+    idx_r, w_r, _ = route(x, w_LDE[int(layer)], bias_LE[int(layer)], xla)
+    np.testing.assert_array_equal(idx_s, idx_r)
+    np.testing.assert_array_equal(w_s, w_r)
 
 
 def test_nan_scores_still_choose_real_experts():
