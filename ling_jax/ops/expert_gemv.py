@@ -56,6 +56,8 @@ def supported(c: int, o: int) -> bool:
 def _splits(m: int, c: int, o: int, bc: int, bo: int) -> int:
     """S: the fewest parts of C's tiles (dividing their count) giving TARGET_PROGRAMS programs."""
     tiles = c // bc
+    if not TARGET_PROGRAMS:
+        return tiles
     for parts in range(1, tiles + 1):
         if tiles % parts == 0 and m * (o // bo) * parts >= TARGET_PROGRAMS:
             return parts
