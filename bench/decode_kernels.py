@@ -54,9 +54,8 @@ from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops.mla_decode import latent_attention
 from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
 
-GEMV_SWEEP = [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w, NUM_STAGES=st, TARGET_PROGRAMS=tp) for tp, bc, bo, w, st in (
-    (0, 64, 128, 4, 1), (264, 64, 128, 4, 3), (528, 64, 128, 4, 3), (264, 32, 128, 4, 3), (264, 64, 64, 4, 3),
-    (1056, 64, 128, 4, 2), (264, 64, 128, 8, 3))]
+GEMV_SWEEP = [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w) for (bc, bo), w in itertools.product(
+    ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64)), (4, 8))][:8]
 SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
     "moe": (expert_gemv, GEMV_SWEEP),
     "proj_in": (expert_gemv, GEMV_SWEEP),

@@ -4,11 +4,11 @@ At decode a MoE layer sees a few token copies (N tokens x k choices), so its exp
 weight-vector products whose whole cost is reading the chosen experts' weights. XLA lowers them to
 a reduction whose fused gather walks every [C, O] weight column by column (0.36 TB/s on an H200,
 BENCHMARKS.md). Here every program reads one [BC, BO] tile of one copy's expert as contiguous
-rows at a time, multiplies it by that copy's BC inputs and accumulates in float32, looping over
-`C / (BC * S)` such tiles (Triton pipelines the loop's loads, NUM_STAGES deep). The grid is (copy,
-output tile, split of C): the reduction is split into the fewest S parts that give TARGET_PROGRAMS
-programs, so that even one copy keeps every SM streaming, and the [S, M, O] partial sums are added
-by XLA.
+rows, multiplies it by that copy's BC inputs and sums over BC in float32. The grid is (copy,
+output tile, input tile): the reduction is split across programs so that even one copy keeps
+every SM streaming, and the [S, M, O] partial sums (S = C / BC, a few hundred KB) are added by XLA
+(or by their consumer, `gathered_partials`). Programs that loop over several tiles of C (fewer,
+larger programs, Triton's pipelined loads) measured slower in the batch-1 decode step (BENCHMARKS.md).
 
 Triton lowering on GPU; interpret mode elsewhere (tests). Tiles are powers of two (Triton's rule)
 dividing C and O; `supported` says whether a shape has them. `ops.moe` runs it as `impl="gemv"`.
@@ -34,8 +34,6 @@ MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per th
 MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
-NUM_STAGES = 1
-TARGET_PROGRAMS = 0  # 0: one tile per program (S = C / BC)
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -53,33 +51,15 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _splits(m: int, c: int, o: int, bc: int, bo: int) -> int:
-    """S: the fewest parts of C's tiles (dividing their count) giving TARGET_PROGRAMS programs."""
-    tiles = c // bc
-    if not TARGET_PROGRAMS:
-        return tiles
-    for parts in range(1, tiles + 1):
-        if tiles % parts == 0 and m * (o // bo) * parts >= TARGET_PROGRAMS:
-            return parts
-    return tiles
-
-
 def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            bc: int, bo: int, steps: int):
+            bc: int, bo: int):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, row = idx_ref[m], row_ref[m]
+    e = idx_ref[m]
+    x_C = x_ref[row_ref[m], pl.ds(s * bc, bc)].astype(jnp.float32)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def product(w_ref, col):
-        def tile(c0):  # [BC] inputs times their [BC, BO] weight rows, float32
-            x_C = x_ref[row, pl.ds(c0, bc)].astype(jnp.float32)
-            return x_C[:, None] * w_ref[e, pl.ds(c0, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32)
-
-        if steps == 1:  # one tile per program: its sum, no loop
-            return jnp.sum(tile(s * bc), axis=0)
-        acc_CO = jax.lax.fori_loop(0, steps, lambda i, acc: acc + tile(pl.multiple_of((s * steps + i) * bc, bc)),
-                                   jnp.zeros((bc, bo), jnp.float32))
-        return jnp.sum(acc_CO, axis=0)
+        return jnp.sum(x_C[:, None] * w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32), axis=0)
 
     @pl.when(m < n_main)
     def _():
@@ -115,7 +95,7 @@ def gathered_partials(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
-    over S parts of C (S from the shape and TARGET_PROGRAMS), for a consumer that adds them itself
+    over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
     r, c = x_RC.shape
     m = idx_M.shape[0]
@@ -135,16 +115,15 @@ def gathered_partials(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
-    s = _splits(m, c, o, bc, bo)
+    s = c // bc
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo,
-                          steps=c // bc // s),
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *weights, *extra_arrays)
     return tuple(partials)

@@ -9,16 +9,7 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
-from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import gathered_products, supported
-
-
-@pytest.fixture(params=[0, 1, 6], ids=["tile_per_program", "whole_c_loop", "split_loop"])
-def target_programs(request, monkeypatch):
-    """The kernel's split of C: one tile per program (0), a loop over all of C per program (1 program
-    wanted), or the fewest splits giving 6 programs (a loop of a few tiles)."""
-    monkeypatch.setattr(expert_gemv, "TARGET_PROGRAMS", request.param)
-    return request.param
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -30,9 +21,8 @@ def _case(rng, m, e, c, o, dtype):
 
 @pytest.mark.parametrize("m,c,o", [(1, 64, 16), (5, 96, 48), (64, 160, 128)])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-6)])
-def test_products_equal_gathered_einsum(m, c, o, dtype, tol, target_programs):
-    """Awkward copy counts and widths whose tiles are not the largest ones (96 -> 32, 48 -> 16, 160 -> 32),
-    each tile per program or looped over."""
+def test_products_equal_gathered_einsum(m, c, o, dtype, tol):
+    """Awkward copy counts and widths whose tiles are not the largest ones (96 -> 32, 48 -> 16, 160 -> 32)."""
     x, idx, ws = _case(np.random.default_rng(m), m, 7, c, o, dtype)
     got = gathered_products(x, idx, ws)
     for g, w in zip(got, ws, strict=True):
@@ -53,7 +43,7 @@ def test_each_token_row_serves_its_copies():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_extra_copies_read_the_second_stack(dtype, target_programs):
+def test_extra_copies_read_the_second_stack(dtype):
     """extra: the copies from n_main on (one per token row) read output j from (stack_j, first column) — the shared
     expert's gate and up from one fused [C, 2O] matrix at columns 0 and O, in the routed launch."""
     rng = np.random.default_rng(8)
