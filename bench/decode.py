@@ -22,14 +22,25 @@ batch 1: time <= 1.3x the floor.
 linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(keep_fp8=True)`
 returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
 every configuration and prints where the device time goes (`bench/device_profile.py`).
+
+`--variant NAME:MODULE.ATTR=VALUE,...` (repeatable) times the same configurations again with
+module constants patched (a kernel's tiles, say), after the committed setting, in the same
+process: the params are built once and every variant meets the same device state, so the
+comparison is not blurred by the spread between device calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import importlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +97,76 @@ def random_cache(cfg: LingConfig, batch: int, slots: int, ctx: int, dtype) -> di
     return make(jax.random.key(ctx))
 
 
+def parse_variant(spec: str) -> tuple[str, dict[tuple[str, str], object]]:
+    """'NAME:pkg.module.ATTR=VALUE,...' -> (NAME, {(module, ATTR): VALUE}); VALUE a Python literal."""
+    name, sep, body = spec.partition(":")
+    items = [item.partition("=") for item in body.split(",") if item.strip()]
+    if not (name and sep and items and all(eq and "." in target for target, eq, _ in items)):
+        raise SystemExit(f"--variant {spec!r}: expected NAME:module.ATTR=VALUE[,module.ATTR=VALUE...]")
+    patches = {}
+    for target, _, value in items:
+        module, _, attr = target.strip().rpartition(".")
+        if not hasattr(importlib.import_module(module), attr):
+            raise SystemExit(f"--variant {spec!r}: {module} has no attribute {attr}")
+        patches[module, attr] = ast.literal_eval(value.strip())
+    return name, patches
+
+
+@contextlib.contextmanager
+def patched(patches: dict[tuple[str, str], object]) -> Iterator[None]:
+    """The module constants set for one variant, with jit caches cleared on entry and exit (a constant
+    is read when a function is traced)."""
+    with contextlib.ExitStack() as stack:
+        for (module, attr), value in patches.items():
+            stack.enter_context(mock.patch.object(importlib.import_module(module), attr, value))
+        jax.clear_caches()
+        try:
+            yield
+        finally:
+            jax.clear_caches()
+
+
+def measure(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Namespace, bw: float,
+            name: str) -> dict[str, Any]:
+    """One configuration: ms per step of `args.steps`-token decode calls at batch b from context ctx,
+    against the HBM floor at copy bandwidth bw (bytes/s); with --profile, where the device time went."""
+    # every call continues the cache (warm-up, reps, 3 profiled calls): room for all their tokens
+    slots = max(args.contexts) + args.steps * (args.reps + 1 + (3 if args.profile else 0))
+    logits = jax.random.normal(jax.random.key(b), (b, cfg.vocab_size), jnp.float32)
+    state = {"cache": random_cache(cfg, b, slots, ctx, jnp.bfloat16)}
+    stop = jnp.asarray([-2], jnp.int32)
+    zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
+
+    def call() -> tuple[jax.Array, jax.Array]:  # continues from the donated cache the last call returned
+        out, counts, state["cache"] = decode_loop(cfg, params, state["cache"], logits, args.steps,
+                                                  jax.random.key(0), zero, no_k, one, stop,
+                                                  unroll_layers=not args.scan)
+        return out, counts
+
+    jax.block_until_ready(state["cache"])
+    times, compile_s = [], 0.0
+    for rep in range(args.reps + 1):
+        t = time.perf_counter()
+        _, counts = jax.block_until_ready(call())
+        if rep == 0:
+            compile_s = time.perf_counter() - t
+        else:
+            times.append(time.perf_counter() - t)
+    assert int(np.min(np.asarray(counts))) == args.steps
+    ms = 1e3 * float(np.median(times)) / args.steps
+    need = step_bytes(cfg, b, ctx, fp8=args.fp8)
+    floor_ms = 1e3 * need["total"] / bw
+    run = {"variant": name, "batch": b, "context": ctx, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms,
+           "hbm_floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "bytes_per_step": need,
+           "first_call_s_incl_compile": compile_s, "allocated_slots": slots}
+    if args.profile:
+        run["profile"] = prof = device_profile(call, f"{args.profile}/{name}_b{b}_c{ctx}",
+                                               copies_module_re="decode_loop", sequence=args.profile_sequence)
+        prof["ms_per_step_busy"] = 1e3 * prof["device_busy_s_per_call"] / args.steps
+        prof["kernels_per_step"] = prof["kernels_per_call"] / args.steps
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -101,12 +182,14 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="trace each configuration and print its kernel table")
     ap.add_argument("--profile-sequence", type=int, default=0, metavar="N",
                     help="with --profile: also keep the first N kernels of a traced call in launch order")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE,...",
+                    help="also time every configuration with these module constants patched (module doc)")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
+    variants = [("committed", {})] + [parse_variant(v) for v in args.variant]
     if args.smoke:
         args.preset, args.batches, args.contexts, args.steps, args.reps = "debug", [1, 4], [64, 300], 4, 1
     cfg = LingConfig.preset(args.preset, moe_impl=args.moe_impl, decode_impl=args.decode_impl)
-    dtype = jnp.bfloat16
     result = {**machine(), "preset": args.preset, "steps": args.steps, "dtype": "bfloat16",
               "unroll_layers": not args.scan, "fp8_resident": args.fp8, "moe_impl": args.moe_impl,
               "decode_impl": args.decode_impl, "runs": []}
@@ -114,53 +197,22 @@ def main() -> None:
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     t0 = time.perf_counter()
-    params = jax.block_until_ready((random_fp8_params if args.fp8 else random_params)(cfg, dtype))
+    params = jax.block_until_ready((random_fp8_params if args.fp8 else random_params)(cfg, jnp.bfloat16))
     print(f"random {args.preset} params: {sum(x.size for x in jax.tree.leaves(params)) / 1e9:.2f} B, "
           f"{sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9:.2f} GB "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
-    stop = jnp.asarray([-2], jnp.int32)
-    zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
-    for b in args.batches:
-        # every call continues the cache (warm-up, reps, 3 profiled calls): room for all their tokens
-        slots = max(args.contexts) + args.steps * (args.reps + 1 + (3 if args.profile else 0))
-        logits = jax.random.normal(jax.random.key(b), (b, cfg.vocab_size), jnp.float32)
-        for ctx in args.contexts:
-            state = {"cache": random_cache(cfg, b, slots, ctx, dtype)}
-
-            def call(state=state, logits=logits):  # continues from the donated cache the last call returned
-                out, counts, state["cache"] = decode_loop(cfg, params, state["cache"], logits, args.steps,
-                                                          jax.random.key(0), zero, no_k, one, stop,
-                                                          unroll_layers=not args.scan)
-                return out, counts
-
-            jax.block_until_ready(state["cache"])
-            times, compile_s = [], None
-            for rep in range(args.reps + 1):
-                t = time.perf_counter()
-                out, counts = jax.block_until_ready(call())
-                dt = time.perf_counter() - t
-                if rep == 0:
-                    compile_s = dt
-                else:
-                    times.append(dt)
-            assert int(np.min(np.asarray(counts))) == args.steps
-            ms = 1e3 * float(np.median(times)) / args.steps
-            need = step_bytes(cfg, b, ctx, fp8=args.fp8)
-            floor_ms = 1e3 * need["total"] / bw
-            run = {"batch": b, "context": ctx, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms,
-                   "hbm_floor_ms": floor_ms, "ratio_to_floor": ms / floor_ms, "bytes_per_step": need,
-                   "first_call_s_incl_compile": compile_s, "allocated_slots": slots}
-            result["runs"].append(run)
-            print(f"B={b:4d} ctx={ctx:6d}: {ms:8.3f} ms/step  {b * 1e3 / ms:10.1f} tok/s  floor {floor_ms:.3f} ms "
-                  f"({ms / floor_ms:.2f}x)  [first call {compile_s:.1f} s]", flush=True)
-            if args.profile:
-                run["profile"] = prof = device_profile(call, f"{args.profile}/b{b}_c{ctx}",
-                                                       copies_module_re="decode_loop",
-                                                       sequence=args.profile_sequence)
-                prof["ms_per_step_busy"] = 1e3 * prof["device_busy_s_per_call"] / args.steps
-                prof["kernels_per_step"] = prof["kernels_per_call"] / args.steps
-                print_profile(prof)
-            write_json(args.out, result)
+    for name, patches in variants:
+        with patched(patches):
+            for b in args.batches:
+                for ctx in args.contexts:
+                    result["runs"].append(run := measure(cfg, params, b, ctx, args, bw, name))
+                    print(f"{name:>12s} B={b:4d} ctx={ctx:6d}: {run['ms_per_step']:8.3f} ms/step  "
+                          f"{run['tokens_per_s']:10.1f} tok/s  floor {run['hbm_floor_ms']:.3f} ms "
+                          f"({run['ratio_to_floor']:.2f}x)  [first call {run['first_call_s_incl_compile']:.1f} s]",
+                          flush=True)
+                    if args.profile:
+                        print_profile(run["profile"])
+                    write_json(args.out, result)
     print(f"wrote {write_json(args.out, result)}")
 
 

@@ -1,5 +1,6 @@
 """The benchmark helpers whose output BENCHMARKS.md relies on: FP8-resident random params, the
-profile's kernel -> op-path attribution and copy list, and the decode-kernel / prefill scripts."""
+profile's kernel -> op-path attribution and copy list, the decode benchmark's variants, and the
+decode-kernel / prefill scripts."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from conftest import rel_l2
 
 from bench.common import random_fp8_params, random_params
+from bench.decode import parse_variant, patched
 from bench.device_profile import hlo_copies, hlo_op_paths
 from ling_jax.checkpoint.fp8 import BlockFP8, is_block_fp8
 from ling_jax.config import LingConfig
@@ -73,6 +75,24 @@ def test_hlo_copies_lists_the_largest_copies(tmp_path):
         ("jit_step", "bf16[128, 1536, 512]", 2), ("jit_step", "f32[16, 128]", 1)]
     assert rows[0]["MB"] == 128 * 1536 * 512 * 2 / 1e6 and "%slice.3" in rows[0]["operand"]
     assert {r["module"] for r in hlo_copies(str(tmp_path))} == {"jit_step", "jit_other"}
+
+
+def test_decode_variants_patch_module_constants():
+    """`bench/decode.py --variant NAME:module.ATTR=VALUE,...`: parsed to patches that hold inside
+    `patched` only; malformed specs and unknown attributes stop the run before any timing."""
+    from ling_jax.ops import expert_gemv
+
+    name, patches = parse_variant("narrow:ling_jax.ops.expert_gemv.MAX_BC=32, ling_jax.ops.expert_gemv.NUM_WARPS=8")
+    assert name == "narrow" and patches == {("ling_jax.ops.expert_gemv", "MAX_BC"): 32,
+                                            ("ling_jax.ops.expert_gemv", "NUM_WARPS"): 8}
+    before = expert_gemv.MAX_BC, expert_gemv.NUM_WARPS
+    with patched(patches):
+        assert (expert_gemv.MAX_BC, expert_gemv.NUM_WARPS) == (32, 8)
+    assert before == (expert_gemv.MAX_BC, expert_gemv.NUM_WARPS)
+    for bad in ("no_colon_here", ":ling_jax.ops.expert_gemv.MAX_BC=32", "x:MAX_BC=32",
+                "x:ling_jax.ops.expert_gemv.MAX_BC", "x:ling_jax.ops.expert_gemv.NOT_THERE=1"):
+        with pytest.raises(SystemExit):
+            parse_variant(bad)
 
 
 @pytest.mark.heavy
