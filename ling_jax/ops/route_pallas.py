@@ -48,8 +48,9 @@ def _kernel(logits_ref, layer_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_gro
             scale: float):
     f32, ninf = jnp.float32, -jnp.inf
     row = pl.ds(pl.program_id(0), 1)
-    logits = jax.lax.fori_loop(1, logits_ref.shape[0], lambda j, acc: acc + logits_ref[j, row, :],
-                               logits_ref[0, row, :])  # [1, Ep]: the sum of the S partial sums
+    # [1, Ep]: the sum of the S partial sums, unrolled so that every load is issued before the adds
+    # wait on them (a loop would pay the memory latency S times over)
+    logits = functools.reduce(jnp.add, [logits_ref[j, row, :] for j in range(logits_ref.shape[0])])
     scores = jax.nn.sigmoid(logits)
     sel = scores + bias_ref[pl.ds(layer_ref[0], 1), :].astype(f32)  # padded experts: bias -inf
     sel = jnp.where(sel != sel, ninf, sel)  # NaN scores rank last: every chosen index stays a real expert
