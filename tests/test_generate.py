@@ -332,6 +332,34 @@ def test_long_prompt_bucket_larger_than_the_cache(golden_a):
     assert out[0] == want and len(out) == 4
 
 
+def test_batch1_moe_routes_from_its_stacks(monkeypatch):
+    """At batch 1 with the gemv MoE, the pallas step's router matmul runs in the gemv kernel and
+    `route_select` takes its partial sums and the expert bias in its stack (`WeightStack`), in
+    every MoE layer, and the step gives the XLA step's logits and caches."""
+    from ling_jax.layers import moe as moe_layers
+    from ling_jax.ops import route_pallas
+    from ling_jax.ops.layer_gemv import WeightStack
+
+    cfg = LingConfig.preset("debug", num_hidden_layers=4, num_experts=16, hidden_size=128)  # router [128, 16]: 2 tiles
+    params = init_params(cfg, seed=4)
+    prompt = jax.random.randint(jax.random.key(3), (1, 6), 0, cfg.vocab_size)
+    cache, _ = prefill(cfg, params, prompt, jnp.array([6]), 10)
+    tok = jnp.array([5], jnp.int32)
+    c_want, want = _step(cfg, params, cache, tok, True)
+    seen, router = [], []
+    real, real_pp = route_pallas._select, moe_layers.partial_products
+    monkeypatch.setattr(route_pallas, "_select", lambda lg, b, *a: seen.append((lg.shape, type(b))) or real(lg, b, *a))
+    monkeypatch.setattr(moe_layers, "partial_products", lambda x, w: router.append(w.shape) or real_pp(x, w))
+    pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
+    c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
+    assert rel_l2(got, want) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                                         rtol=1e-4, atol=1e-5), c_got, c_want)
+    n_moe = sum(cfg.ffn_of(i) == "moe" for i in range(cfg.num_hidden_layers))
+    assert router == [(cfg.hidden_size, cfg.num_experts)] * n_moe  # the router matmul in the gemv kernel
+    assert seen == [((cfg.hidden_size // expert_gemv.MAX_BC, 1, cfg.num_experts), WeightStack)] * n_moe
+
+
 def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
     MLA q_a/q_b/kv_a/g/dense, the dense MLP, the MoE router) through the gemv kernel on its whole
