@@ -177,14 +177,14 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
                 take("mlp", name, ExpertStack, True)
         if isinstance(mlp_p["expert_bias"], jax.Array):
             take("mlp", "expert_bias", WeightStack, False)
-    if linears and "router" in subs.get("mlp", {}) and layer_gemv.stackable(
-            subs["mlp"]["router"], lead, subs["mlp"]["router"].dtype):
-        take("mlp", "router", WeightStack, False)
     if linears:
         for sub, names in LINEAR_LEAVES.items():
             for name in names:
                 if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype):
                     take(sub, name, WeightStack, False)
+        router = subs.get("mlp", {}).get("router")  # float32: stackable in its own dtype
+        if layer_gemv.stackable(router, lead, getattr(router, "dtype", None)):
+            take("mlp", "router", WeightStack, False)
     if kda:
         for name in KDA_LEAVES:
             take("attn", name, WeightStack, False)

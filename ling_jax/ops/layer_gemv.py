@@ -67,7 +67,7 @@ def partial_products(x: jax.Array, w: WeightStack) -> jax.Array:
     float32 partial sums (`expert_gemv.gathered_partials`), for a consumer that adds them itself."""
     c, o = w.shape
     if x.shape[-1] != c:
-        raise ValueError(f"linear: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
+        raise ValueError(f"layer_gemv: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
     rows_RC = x.reshape(-1, c)
     idx_R = jnp.broadcast_to(jnp.asarray(w.layer, jnp.int32), (rows_RC.shape[0],))
     (parts_SRO,) = expert_gemv.gathered_partials(rows_RC, idx_R, (w.stack,))
