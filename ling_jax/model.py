@@ -33,7 +33,7 @@ from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
 from ling_jax.ops.kda import decode_layer
 from ling_jax.ops.kda.decode_layer import KdaCacheStack
-from ling_jax.ops.layer_gemv import WeightStack
+from ling_jax.ops.layer_gemv import WeightStack, normed
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL
@@ -90,14 +90,16 @@ def decoder_layer(
     """One pre-norm decoder layer: x -> (x, what the mixer returned besides its output, router aux).
 
     `mix(attn_params, normed_x)` is the layer's KDA or MLA mixer in the mode of the caller
-    (training/prefill over T tokens, or one decode step against a cache).
+    (training/prefill over T tokens, or one decode step against a cache). Norm weights given as
+    `WeightStack`s (the batch-1 decode step) leave the norms to the gemv kernels that read the
+    normed rows (`layer_gemv.normed`).
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
     p = dense_weights(p, x_BTD.dtype)  # FP8-resident weights: this layer's, dequantized here
     with jax.named_scope("mixer"):  # named scopes label the compiled ops (profiles: bench/device_profile.py)
-        a, mixer_out = mix(p["attn"], rms_norm(x_BTD, p["input_norm"], cfg.rms_norm_eps))
+        a, mixer_out = mix(p["attn"], normed(x_BTD, p["input_norm"], cfg.rms_norm_eps))
     x_BTD = x_BTD + a
-    h = rms_norm(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
+    h = normed(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
     with jax.named_scope("ffn"):
         if ffn == "dense":
             m = p["mlp"]
@@ -134,6 +136,7 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
     "mlp": ("gate_up_proj", "down_proj"),
 }
 KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
+NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
 
 
 def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
@@ -149,17 +152,18 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
-    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) too.
-    `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
-    `ops.kda.decode_layer`).
+    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
+    `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
+    KDA decode layer kernel, `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
     subs = {k: dict(v) for k, v in t.items() if k in ("attn", "mlp")}
+    subs[""] = {}  # taken leaves of the layer's top level
     stacks: Stacks = {}
 
     def take(sub: str, name: str, cls: type, one_expert: bool) -> None:
-        w = subs[sub][name]
+        w = (subs[sub] if sub else t)[name]
         flat = w.reshape(-1, *((1,) if one_expert else ()), *w.shape[lead:])
         stacks[sub, name] = (cls, flat)
         subs[sub][name] = np.arange(flat.shape[0], dtype=np.int32).reshape(w.shape[:lead])  # constants, not launches
@@ -185,10 +189,14 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
         router = subs.get("mlp", {}).get("router")  # float32: stackable in its own dtype
         if layer_gemv.stackable(router, lead, getattr(router, "dtype", None)):
             take("mlp", "router", WeightStack, False)
+        for name in NORM_LEAVES:
+            if isinstance(t.get(name), jax.Array) and t[name].ndim == lead + 1:
+                take("", name, WeightStack, False)
     if kda:
         for name in KDA_LEAVES:
             take("attn", name, WeightStack, False)
-    return {**t, **subs}, stacks
+    top = subs.pop("")
+    return {**t, **subs, **top}, stacks
 
 
 class _KdaCaches:
@@ -231,10 +239,11 @@ def _join_stacks(p: Params, stacks: Stacks) -> Params:
     """One layer's params with its index leaves turned back into views of their stacks."""
     if not stacks:
         return p
-    subs = {sub: dict(p[sub]) for sub in {sub for sub, _ in stacks}}
+    subs = {sub: dict(p[sub]) if sub else {} for sub in {sub for sub, _ in stacks}}  # "": top level
     for (sub, name), (cls, stack) in stacks.items():
-        subs[sub][name] = cls(stack, subs[sub][name])
-    return {**p, **subs}
+        subs[sub][name] = cls(stack, (p[sub] if sub else p)[name])
+    top = subs.pop("", {})
+    return {**p, **subs, **top}
 
 
 def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,

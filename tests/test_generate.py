@@ -363,7 +363,9 @@ def test_batch1_moe_routes_from_its_stacks(monkeypatch):
 def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
     MLA q_a/q_b/kv_a/g/dense, the dense MLP, the MoE router) through the gemv kernel on its whole
-    segment stack (`ops.layer_gemv`) and gives the XLA step's logits and caches; at batch 2 it does not."""
+    segment stack (`ops.layer_gemv`), with every layer's two RMSNorms applied by the kernels that read
+    the normed rows (`expert_gemv.NormedRows`), and gives the XLA step's logits and caches; at batch 2
+    it does not."""
     from ling_jax.ops import expert_gemv
 
     cfg = LingConfig.preset("debug", num_hidden_layers=6, num_experts=16)  # a router [64, 16] the kernel tiles
@@ -372,13 +374,16 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gather")
     real = expert_gemv.gathered_partials
     calls = []
-    monkeypatch.setattr(expert_gemv, "gathered_partials", lambda *a, **k: calls.append(a[2][0].shape) or real(*a, **k))
+    normed = []  # (rows, norm weight stack) of the calls on normed rows
+    monkeypatch.setattr(expert_gemv, "gathered_partials", lambda *a, **k: calls.append(a[2][0].shape) or (
+        isinstance(a[0], expert_gemv.NormedRows) and normed.append((a[0].shape, a[0].weight.shape))) or real(*a, **k))
     for b in (1, 2):
         prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
         cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
         tok = jnp.arange(3, 3 + b, dtype=jnp.int32)
         c_want, want = _step(cfg, params, cache, tok, True)
         calls.clear()
+        normed.clear()
         c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
         assert rel_l2(got, want) < 1e-5
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -386,6 +391,15 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
         if b == 2:
             assert not calls
             continue
+        readers = 0  # the kernel's projections of a layer's input-normed and post-attention-normed rows
+        for i in range(cfg.num_hidden_layers):
+            lp = layer_params(cfg, fused, i)
+            mla = cfg.mixer_of(i) == "mla"
+            ws = [lp["attn"].get(n) for n in (("q_proj", "q_a_proj", "kv_a_proj", "g_proj") if mla else (FUSED_INPUT,))]
+            ws.append(lp["mlp"]["router" if cfg.ffn_of(i) == "moe" else "gate_up_proj"])
+            readers += sum(w is not None and stackable(w, 0, w.dtype) for w in ws)
+        assert readers >= 2 * cfg.num_hidden_layers
+        assert len(normed) == readers and all(r == (1, cfg.hidden_size) and w[1:] == r[1:] for r, w in normed)
         want_shapes = set()  # every stackable projection of the decode params, by [C, O] and stack size
         for seg, sp in zip(cfg.segments, fused["segments"], strict=True):
             parts = [(sp, 1)] if seg.kind == "run" else [(sp["kda"], 2), (sp["mla"], 1)]

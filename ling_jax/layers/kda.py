@@ -18,6 +18,7 @@ import numpy as np
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
+from ling_jax.ops.expert_gemv import NormedRows, dense
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
@@ -163,7 +164,7 @@ def _input_starts(p: dict[str, Any]) -> list[int]:
     return [int(e - w) for e, w in zip(np.cumsum(widths), widths, strict=True)] + [int(sum(widths))]
 
 
-def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array, cache: KdaCacheStack, *,
+def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: KdaCacheStack, *,
                      cfg: LingConfig) -> tuple[jax.Array, KdaCacheStack]:
     """`kda_mixer`'s decode step (one token per row) with the conv, gate and recurrence in one kernel
     (`ops.kda.decode_layer`) on the segment's cache stacks: (out [B, 1, D], the cache with the state
@@ -184,7 +185,7 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array, cache: KdaCacheStack, 
 
 
 def kda_mixer(
-    p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, valid_BT: jax.Array | None = None,
+    p: dict[str, Any], x_BTD: jax.Array | NormedRows, *, cfg: LingConfig, valid_BT: jax.Array | None = None,
     segment_ids: jax.Array | None = None, cache: dict[str, jax.Array] | KdaCacheStack | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array] | KdaCacheStack]:
     """x [B, T, D] (input-normed) -> (out [B, T, D], new cache {"state", "conv"}).
@@ -194,6 +195,7 @@ def kda_mixer(
     """
     if isinstance(cache, KdaCacheStack):
         return kda_decode_mixer(p, x_BTD, cache, cfg=cfg)
+    x_BTD = dense(x_BTD)
     b, t, _ = x_BTD.shape
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
+from ling_jax.ops.expert_gemv import NormedRows, dense
 from ling_jax.ops.layer_gemv import WeightStack, partial_products
 from ling_jax.ops.moe import (
     EXPERT_LEAVES,
@@ -77,7 +78,7 @@ def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
     return cfg.decode_impl == "pallas" or on_gpu()
 
 
-def route(x_ND: jax.Array, w_router_DE: jax.Array | WeightStack, bias_E: jax.Array | WeightStack,
+def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bias_E: jax.Array | WeightStack,
           cfg: LingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
 
@@ -94,7 +95,7 @@ def route(x_ND: jax.Array, w_router_DE: jax.Array | WeightStack, bias_E: jax.Arr
         logits_SNE = partial_products(x_ND, w_router_DE)
         logits_NE = logits_SNE.sum(0)
     else:
-        logits_SNE = logits_NE = jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32),
+        logits_SNE = logits_NE = jnp.matmul(dense(x_ND).astype(jnp.float32), w_router_DE.astype(jnp.float32),
                                             precision=router_precision())
     if route_kernel(cfg, n):
         idx_NK, w_NK = select_experts(logits_SNE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -168,7 +169,7 @@ def expert_parallel(
     return y_ND[:n], counts_E
 
 
-def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, limit: jax.Array | float = 0.0,
+def moe(p: dict[str, Any], x: jax.Array | NormedRows, *, cfg: LingConfig, limit: jax.Array | float = 0.0,
         shared_limit: jax.Array | float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [..., D] -> ([..., D], router aux).
 

@@ -21,19 +21,65 @@ XLA copies a sliced weight stack before any custom call, 201 MB per weight per s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from ling_jax.layers.norms import rms_norm
 from ling_jax.ops.pallas_gpu import call_options, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
+MAX_NORM_CHUNK = 1024  # the widest piece of a row the RMS-norm prologue loads at once
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormedRows:
+    """`rms_norm(x, weight[layer], eps)` not yet computed: rows for the kernel to normalise as it reads
+    them (`gathered_partials`), so that a decode step's RMSNorm costs no launches of its own. The
+    norm weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied).
+    Other consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
+
+    x: jax.Array  # [..., C] the rows before the norm
+    weight: jax.Array  # [L, C] the norm weights of a segment's layers
+    layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
+    eps: float = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.x.dtype
+
+    def value(self) -> jax.Array:
+        """The normed rows as an array (the model's `rms_norm`, in XLA)."""
+        return rms_norm(self.x, self.weight[self.layer], self.eps)
+
+    def reshape(self, *shape: int) -> NormedRows:
+        return self._rows(self.x.reshape(*shape))
+
+    def __getitem__(self, index: object) -> NormedRows:
+        return self._rows(self.x[index])
+
+    def _rows(self, x: jax.Array) -> NormedRows:
+        if x.shape[-1] != self.x.shape[-1]:
+            raise ValueError(f"NormedRows: the normed axis ({self.x.shape[-1]}) must stay last, got {x.shape}")
+        return dataclasses.replace(self, x=x)
+
+
+def dense(x: jax.Array | NormedRows) -> jax.Array:
+    """x as an array (`NormedRows` normalised in XLA)."""
+    return x.value() if isinstance(x, NormedRows) else x
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -51,11 +97,26 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
+def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float) -> jax.Array:
+    """The prologue of `NormedRows`: the tile x_C [BC] of row `row`, RMS-normed over the whole row with
+    the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight)."""
+    w_ref, layer_ref = norm_refs
+    c = x_ref.shape[-1]
+    chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together
+    squares = [jnp.sum(jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32))) for j in range(c // chunk)]
+    r = jax.lax.rsqrt(functools.reduce(operator.add, squares) / c + eps)
+    dt = x_ref.dtype
+    return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
+
+
 def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            bc: int, bo: int):
+            bc: int, bo: int, eps: float | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e = idx_ref[m]
     x_C = x_ref[row_ref[m], pl.ds(s * bc, bc)].astype(jnp.float32)
+    if eps is not None:
+        x_C = _normed(x_C, x_ref, row_ref[m], refs[:2], s, bc, eps)
+        refs = refs[2:]
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def product(w_ref, col):
@@ -73,7 +134,7 @@ def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int,
                 out_ref[...] = product(extras[j], col)
 
 
-def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """For every weight stack w [E, C, O]: x[rows[m]] @ w[idx[m]] for each copy m -> [M, O] float32.
@@ -85,18 +146,27 @@ def gathered_products(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     `extra` (one (stack [E', C, O'], first column) per output; one array may serve several): the
     copies from `n_main` on read their output j from x[rows[m]] @ stack_j[idx[m], :, col_j : col_j
     + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
-    and up read from one fused matrix at columns 0 and I). `interpret` defaults to True off GPU.
+    and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
+    normalises its tile of the row itself (the row's sum of squares over all of C, then the model's
+    RMSNorm). `interpret` defaults to True off GPU.
     """
     return tuple(p.sum(0) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
                                                      interpret=interpret))
 
 
-def gathered_partials(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
+    norm = ()
+    eps = None
+    if isinstance(x_RC, NormedRows):
+        if x_RC.weight.shape[-1] != x_RC.shape[-1]:
+            raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
+        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32)), x_RC.eps
+        x_RC = x_RC.x
     r, c = x_RC.shape
     m = idx_M.shape[0]
     o = weights[0].shape[-1]
@@ -118,12 +188,12 @@ def gathered_partials(x_RC: jax.Array, idx_M: jax.Array, weights: tuple[jax.Arra
     s = c // bc
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo),
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo, eps=eps),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *weights, *extra_arrays)],
+        in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *norm, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *weights, *extra_arrays)
+    )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
     return tuple(partials)

@@ -6,7 +6,9 @@ custom kernel on a layer's weight sliced from its segment's stack would first co
 (BENCHMARKS.md, "Decode"). So the unrolled decode step (`model.run_stack`) hands such weights over as
 `WeightStack`s, and `linear` runs them through the routed experts' gemv kernel
 (`ops.expert_gemv.gathered_products`) with the layer as the expert: one launch that reads the layer's
-[C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums.
+[C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums. A layer's RMSNorm
+before such projections (`normed`) is left to the kernel too (`expert_gemv.NormedRows`): every
+program normalises the tile of the row it reads, and the norm's two XLA launches go.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
+from ling_jax.ops.expert_gemv import NormedRows, dense
 
 
 @jax.tree_util.register_dataclass
@@ -53,16 +57,26 @@ def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
             and expert_gemv.supported(*w.shape[-2:]))
 
 
-def linear(x: jax.Array, w: jax.Array | WeightStack) -> jax.Array:
+def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
+    """`rms_norm(x, w, eps)`; with the weight as a `WeightStack` (the batch-1 decode step), the rows
+    with the norm left to the gemv kernels that read them (`NormedRows`; `linear` and the MoE take
+    them, other consumers call `expert_gemv.dense`)."""
+    if isinstance(w, WeightStack):
+        return NormedRows(x, w.stack, w.layer, eps)
+    return rms_norm(x, w, eps)
+
+
+def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
     """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` runs the gemv
     kernel over the rows of x, each reading the whole [C, O]: meant for one row (the batch-1
     decode step, where `model.run_stack` makes them); an array runs XLA's product."""
     if not isinstance(w, WeightStack):
+        x = dense(x)
         return x @ w.astype(x.dtype)
     return partial_products(x, w).sum(0).astype(x.dtype)
 
 
-def partial_products(x: jax.Array, w: WeightStack) -> jax.Array:
+def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:
     """x [..., C] @ w [C, O] through the gemv kernel before the sum of its split of C: [S, ..., O]
     float32 partial sums (`expert_gemv.gathered_partials`), for a consumer that adds them itself."""
     c, o = w.shape

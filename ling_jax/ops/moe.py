@@ -339,8 +339,8 @@ def shared_fits(hidden: int, intermediate: int, shared_intermediate: int) -> boo
         and expert_gemv.supported(intermediate, hidden)
 
 
-def _gemv_experts(x_ND: jax.Array, w_NK: jax.Array, sel_NK: jax.Array, stacks: tuple[jax.Array | ExpertStack, ...],
-                  stacked: bool, limit: jax.Array | float,
+def _gemv_experts(x_ND: jax.Array | expert_gemv.NormedRows, w_NK: jax.Array, sel_NK: jax.Array,
+                  stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
                   shared: SharedStacks | None = None) -> tuple[jax.Array, jax.Array | None]:
     """The gemv path: (weighted routed sum [N, D] float32, shared expert [N, D] in x's dtype or None).
 
@@ -376,7 +376,7 @@ def _gemv_experts(x_ND: jax.Array, w_NK: jax.Array, sel_NK: jax.Array, stacks: t
 
 
 def routed_partial(
-    x_ND: jax.Array,
+    x_ND: jax.Array | expert_gemv.NormedRows,
     idx_NK: jax.Array,
     w_NK: jax.Array,
     first_expert: jax.Array | int,
@@ -408,6 +408,7 @@ def routed_partial(
         return _gemv_experts(x_ND, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0), stacks,
                              stacked, limit)[0]
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
+    x_ND = expert_gemv.dense(x_ND)
     if impl == "gather":
         dt = x_ND.dtype
         sel_NK = jnp.where(is_local_NK, local_NK, 0)
@@ -431,7 +432,7 @@ def routed_partial(
 
 
 def routed_experts(
-    x_ND: jax.Array,
+    x_ND: jax.Array | expert_gemv.NormedRows,
     idx_NK: jax.Array,
     w_NK: jax.Array,
     w_gate_EDI: jax.Array | ExpertStack,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
-from ling_jax.ops.expert_gemv import gathered_products, supported
+from ling_jax.layers.norms import rms_norm
+from ling_jax.ops.expert_gemv import NormedRows, gathered_products, supported
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -66,6 +67,37 @@ def test_extra_copies_read_the_second_stack(dtype):
         gathered_products(x, idx, ws, rows=rows, extra=((fused, 0), (fused, o)))  # extra weights, no n_main
 
 
+@pytest.mark.parametrize("c", [96, 2048])  # the row's sum of squares in 3 x 32 and 2 x 1024 pieces
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-3)])
+def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
+    """x as `NormedRows`: each program RMS-norms its tile of the row (sum of squares over the whole row,
+    the norm weight read from its stack at a traced layer) and the products equal those of the rows
+    normed in XLA (`rms_norm`), the shared expert's extra copies included."""
+    rng = np.random.default_rng(c)
+    r, k, e, o = 2, 3, 4, 16
+    x, _, ws = _case(rng, r, e, c, o, dtype)
+    x = x * 3.0 + 0.5
+    norm_LC = jnp.asarray(1.0 + 0.3 * rng.standard_normal((5, c)), dtype)
+    fused = jnp.asarray(rng.standard_normal((5, c, 2 * o)) * 0.1, dtype)
+    idx = jnp.asarray(np.concatenate([rng.integers(0, e, r * k), [1] * r]), jnp.int32)
+    rows = np.concatenate([np.arange(r * k) // k, np.arange(r)])
+
+    @jax.jit
+    def both(layer):
+        xs = NormedRows(x, norm_LC, layer, 1e-6)
+        kw = dict(rows=rows, extra=((fused, 0), (fused, o)), n_main=r * k)
+        return gathered_products(xs, idx, ws, **kw), gathered_products(xs.value(), idx, ws, **kw)
+
+    got, want = both(jnp.int32(3))
+    np.testing.assert_array_equal(NormedRows(x, norm_LC, jnp.int32(3), 1e-6).value(), rms_norm(x, norm_LC[3], 1e-6))
+    for g, w in zip(got, want, strict=True):
+        assert rel_l2(g, w) < tol
+    with pytest.raises(ValueError, match="norm weights"):
+        gathered_products(NormedRows(x, norm_LC[:, :-16], jnp.int32(0), 1e-6), idx[:r * k], ws, rows=rows[:r * k])
+    with pytest.raises(ValueError, match="must stay last"):
+        NormedRows(x, norm_LC, jnp.int32(0), 1e-6)[:, 0]
+
+
 def test_unsupported_shapes_raise():
     assert not supported(64, 12) and not supported(24, 64) and supported(1536, 1280)
     x, idx, ws = _case(np.random.default_rng(0), 2, 3, 64, 12, jnp.float32)
@@ -88,4 +120,11 @@ def test_triton_lowering(h200_lowering):
         assert "triton" in mlir
     mlir = h200_lowering(with_shared, sd((1, 1536), bf), sd((9,), jnp.int32), sd((128, 1536, 512), bf),
                          sd((128, 1536, 512), bf), sd((23, 1536, 1024), bf))
+    assert "triton" in mlir
+
+    def normed(x, norm, layer, i, a):  # the RMSNorm prologue at Ling-3.0-tiny's hidden size (3 pieces of 512)
+        return gathered_products(NormedRows(x, norm, layer, 1e-6), i, (a,), interpret=False)
+
+    mlir = h200_lowering(normed, sd((1, 1536), bf), sd((23, 1536), jnp.float32), sd((), jnp.int32),
+                         sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
     assert "triton" in mlir
