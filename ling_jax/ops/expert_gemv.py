@@ -102,9 +102,9 @@ def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Arra
     the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight)."""
     w_ref, layer_ref = norm_refs
     c = x_ref.shape[-1]
-    chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together
-    squares = [jnp.sum(jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32))) for j in range(c // chunk)]
-    r = jax.lax.rsqrt(functools.reduce(operator.add, squares) / c + eps)
+    chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together, summed once
+    squares = [jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32)) for j in range(c // chunk)]
+    r = jax.lax.rsqrt(jnp.sum(functools.reduce(operator.add, squares)) / c + eps)
     dt = x_ref.dtype
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
@@ -112,26 +112,29 @@ def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Arra
 def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
             bc: int, bo: int, eps: float | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e = idx_ref[m]
-    x_C = x_ref[row_ref[m], pl.ds(s * bc, bc)].astype(jnp.float32)
-    if eps is not None:
-        x_C = _normed(x_C, x_ref, row_ref[m], refs[:2], s, bc, eps)
-        refs = refs[2:]
+    e, row = idx_ref[m], row_ref[m]
+    norm_refs, refs = (refs[:2], refs[2:]) if eps is not None else ((), refs)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
-    def product(w_ref, col):
-        return jnp.sum(x_C[:, None] * w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)].astype(jnp.float32), axis=0)
+    def products(tiles: list) -> list:
+        """x's tile times each (weight, first column) tile, summed over BC. The weight loads come first,
+        so that their latency covers the norm's reduction over the row."""
+        w_COs = [w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)] for w_ref, col in tiles]
+        x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
+        if norm_refs:
+            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps)
+        return [jnp.sum(x_C[:, None] * w_CO.astype(jnp.float32), axis=0) for w_CO in w_COs]
 
     @pl.when(m < n_main)
     def _():
-        for w_ref, out_ref in zip(weights, outs, strict=True):
-            out_ref[...] = product(w_ref, 0)
+        for out_ref, y_O in zip(outs, products([(w_ref, 0) for w_ref in weights]), strict=True):
+            out_ref[...] = y_O
 
     if extra_cols:
         @pl.when(m >= n_main)
         def _():
-            for (j, col), out_ref in zip(extra_cols, outs, strict=True):
-                out_ref[...] = product(extras[j], col)
+            for out_ref, y_O in zip(outs, products([(extras[j], col) for j, col in extra_cols]), strict=True):
+                out_ref[...] = y_O
 
 
 def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
