@@ -75,6 +75,7 @@ def test_fp8_resident_greedy_decode_matches_golden(resident_f32):
             cache, logits = step(cfg, params, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_fp8_resident_bf16_equals_dequantized_at_load(ck):
     """bf16 serving: FP8-resident weights give the logits of weights dequantized to bf16 at load
     (the same float32 product and rounding, done per layer instead of once)."""

@@ -58,7 +58,8 @@ def debug_model():
     return cfg, init_params(cfg, seed=3)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full_rank_gates", "low_rank_gates"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.heavy)],
+                         ids=["full_rank_gates", "low_rank_gates"])
 def test_fused_decode_projections(lora, monkeypatch):
     """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
     side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
@@ -133,7 +134,8 @@ def test_decode_equals_forward(debug_model, unroll):
         assert rel_l2(got[r], want) < 1e-5, f"row {r}"
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["layer_scans", "unrolled"])
+@pytest.mark.parametrize("unroll", [pytest.param(False, marks=pytest.mark.heavy), True],
+                         ids=["layer_scans", "unrolled"])
 def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
     """The decode step's Pallas kernels give the XLA step's logits: decode_impl="pallas" (latent
     attention, KDA step) with moe_impl="gemv" (routed experts; unrolled, read from the stacked
@@ -147,6 +149,7 @@ def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     """With the fused decode params and a shared expert as wide as the routed ones, the unrolled
     gemv step runs the shared expert as one more copy per token in the routed launches
@@ -335,7 +338,8 @@ def test_long_prompt_bucket_larger_than_the_cache(golden_a):
 def test_batch1_moe_routes_from_its_stacks(monkeypatch):
     """At batch 1 with the gemv MoE, the pallas step's router matmul runs in the gemv kernel and
     `route_select` takes its partial sums and the expert bias in its stack (`WeightStack`), in
-    every MoE layer, and the step gives the XLA step's logits and caches."""
+    every MoE layer, the kernel applying the post-attention RMSNorm to the rows it reads
+    (`expert_gemv.NormedRows`), and the step gives the XLA step's logits and caches."""
     from ling_jax.layers import moe as moe_layers
     from ling_jax.ops import route_pallas
     from ling_jax.ops.layer_gemv import WeightStack
@@ -349,17 +353,20 @@ def test_batch1_moe_routes_from_its_stacks(monkeypatch):
     seen, router = [], []
     real, real_pp = route_pallas._select, moe_layers.partial_products
     monkeypatch.setattr(route_pallas, "_select", lambda lg, b, *a: seen.append((lg.shape, type(b))) or real(lg, b, *a))
-    monkeypatch.setattr(moe_layers, "partial_products", lambda x, w: router.append(w.shape) or real_pp(x, w))
+    monkeypatch.setattr(moe_layers, "partial_products",
+                        lambda x, w: router.append((type(x), w.shape)) or real_pp(x, w))
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
     c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
     assert rel_l2(got, want) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          rtol=1e-4, atol=1e-5), c_got, c_want)
     n_moe = sum(cfg.ffn_of(i) == "moe" for i in range(cfg.num_hidden_layers))
-    assert router == [(cfg.hidden_size, cfg.num_experts)] * n_moe  # the router matmul in the gemv kernel
+    # the router matmul in the gemv kernel, on rows it RMS-norms itself (the post-attention norm)
+    assert router == [(expert_gemv.NormedRows, (cfg.hidden_size, cfg.num_experts))] * n_moe
     assert seen == [((cfg.hidden_size // expert_gemv.MAX_BC, 1, cfg.num_experts), WeightStack)] * n_moe
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
     MLA q_a/q_b/kv_a/g/dense, the dense MLP, the MoE router) through the gemv kernel on its whole

@@ -220,6 +220,7 @@ def test_routed_partial_non_local_experts_values_gradients_and_counts():
     np.testing.assert_array_equal(moe_ops.expert_counts(idx, e), want)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypatch):
     """The KDA layer resolves "auto" with its own gate (the config's safe gate): on a GPU it runs the
     Pallas kernels both when the gate is fused (no padding) and when it is precomputed for padded

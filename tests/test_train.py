@@ -315,7 +315,7 @@ def test_bias_update_moves_router_toward_balance():
     assert first > 2.5 and last < 0.6 * first, (first, last)
 
 
-@pytest.mark.parametrize("attention", ["xla", "pallas"])
+@pytest.mark.parametrize("attention", ["xla", pytest.param("pallas", marks=pytest.mark.heavy)])
 def test_packing_equals_documents_one_by_one(attention):
     """Per-document loss of a packed sequence == each document run alone (KDA, conv and MLA reset),
     with MLA's materialised softmax and with the fused attention kernels (interpret mode on CPU)."""

@@ -84,8 +84,8 @@ def _check(t, cuts, pad_front, dtype, tol_o, tol_g, blocks, b=2, h=2, dn=32, dr=
 @pytest.mark.parametrize("t, cuts, pad_front", [
     (1, None, None),
     (37, [[5, 20], [36]], None),  # segment boundaries at awkward places, a one-token last document
-    (64, [[16], [1, 2, 3]], None),  # a boundary on a block edge; one-token documents
-    (100, None, [0, 13]),  # left padding (a row's first 13 keys invisible), no segments
+    pytest.param(64, [[16], [1, 2, 3]], None, marks=pytest.mark.heavy),  # a boundary on a block edge; one-token docs
+    pytest.param(100, None, [0, 13], marks=pytest.mark.heavy),  # left padding (a row's first 13 keys invisible)
     (77, [[30], [40, 41]], [3, 0]),  # padding and segments
 ])
 def test_matches_xla_float32(t, cuts, pad_front):
