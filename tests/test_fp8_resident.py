@@ -104,6 +104,7 @@ def test_cli_fp8_weights(ck, capsys):
     assert "ling-convert --dtype float8" in capsys.readouterr().err
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_fp8_resident_on_expert_mesh(ck):
     """Restored straight into a data x expert mesh (FP8 values and their scales split along the
     experts): the golden logits, as on one device."""

@@ -58,8 +58,8 @@ def debug_model():
     return cfg, init_params(cfg, seed=3)
 
 
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.heavy)],
-                         ids=["full_rank_gates", "low_rank_gates"])
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases (golden greedy decode runs the fused params)
+@pytest.mark.parametrize("lora", [False, True], ids=["full_rank_gates", "low_rank_gates"])
 def test_fused_decode_projections(lora, monkeypatch):
     """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
     side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
@@ -98,6 +98,7 @@ def test_fused_decode_projections(lora, monkeypatch):
                                                          rtol=1e-4, atol=1e-5), c_pal, c_sep)
 
 
+@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_decode_loop_does_not_copy_the_latent_cache(debug_model):
     """The compiled decode loop updates the latent caches in place: no `copy` of a latent stack (XLA
     scheduled a segment's cache write before its attention read the cache, and then copied the whole

@@ -15,7 +15,7 @@ T = 16
 LENGTHS = (16, 11, 5)
 
 
-@pytest.mark.parametrize("attention", ["auto", "pallas"])
+@pytest.mark.parametrize("attention", ["auto", pytest.param("pallas", marks=pytest.mark.heavy)])
 def test_left_and_right_padding_batch_of_mixed_lengths(golden_a, attention):
     """Also with MLA through the fused attention kernels (interpret mode on CPU; "auto": XLA here),
     where the padding keys must stay invisible to the real queries."""

@@ -190,7 +190,8 @@ def test_key_blocks_without_fused_gate_and_norm():
         assert rel_l2(a, b) < 1e-5, name
 
 
-@pytest.mark.parametrize("chunk, dk", [(16, 32), (32, 128), pytest.param(128, 32, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("chunk, dk", [(16, 32), *(pytest.param(c, d, marks=pytest.mark.heavy)
+                                                   for c, d in ((32, 128), (128, 32)))])
 def test_chunk_sizes_forward_and_gradients(chunk, dk):
     """Chunk 16 (one sub-chunk: the inverse is the block-diagonal product alone), 32 at K = V = 128
     (the tiles of chunks <= 32: two 64-wide key blocks, four 32-wide value blocks) and 128 (eight

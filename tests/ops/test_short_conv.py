@@ -38,8 +38,8 @@ def _loss_and_grads(impl: str, x, w, seg, parts: int, cts, blocks=(BLOCK_T, BLOC
     return ys, grads
 
 
-@pytest.mark.parametrize("t, parts", [(1, 1), (31, 1), (33, 1), (65, 1), (1, 3), (65, 3),
-                                      *(pytest.param(t, 3, marks=pytest.mark.heavy) for t in (31, 33))])
+@pytest.mark.parametrize("t, parts", [(1, 1), (31, 1), (33, 1), (65, 1), (65, 3),
+                                      *(pytest.param(t, 3, marks=pytest.mark.heavy) for t in (1, 31, 33))])
 @pytest.mark.parametrize("segments", [False, True])
 def test_kernels_match_xla_float32(t, segments, parts):
     """Default tiles (one backward program for these lengths) and small ones (several programs of
