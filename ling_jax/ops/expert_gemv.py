@@ -38,6 +38,7 @@ MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
 MAX_NORM_CHUNK = 1024  # the widest piece of a row the RMS-norm prologue loads at once
+MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elementwise (more: one reduce)
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +81,20 @@ class NormedRows:
 def dense(x: jax.Array | NormedRows) -> jax.Array:
     """x as an array (`NormedRows` normalised in XLA)."""
     return x.value() if isinstance(x, NormedRows) else x
+
+
+def add_partials(parts_S: jax.Array) -> jax.Array:
+    """parts [S, ...] summed over S, as a tree of elementwise adds of its slices where S <= MAX_ADDED_PARTIALS.
+
+    The sum of the kernel's partial sums is a launch of its own as an XLA reduce, which XLA does not
+    fuse with the sum's elementwise consumers (a cast and a residual add, a SwiGLU); as adds of
+    slices it is a loop fusion that takes them in."""
+    if parts_S.shape[0] > MAX_ADDED_PARTIALS:
+        return parts_S.sum(0)
+    parts = [parts_S[i] for i in range(parts_S.shape[0])]
+    while len(parts) > 1:
+        parts = [a + b for a, b in zip(parts[::2], parts[1::2], strict=False)] + parts[len(parts) // 2 * 2:]
+    return parts[0]
 
 
 def _tile(n: int, cap: int) -> int | None:
@@ -153,7 +168,7 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     normalises its tile of the row itself (the row's sum of squares over all of C, then the model's
     RMSNorm). `interpret` defaults to True off GPU.
     """
-    return tuple(p.sum(0) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
+    return tuple(add_partials(p) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
                                                      interpret=interpret))
 
 

@@ -73,7 +73,7 @@ def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
     if not isinstance(w, WeightStack):
         x = dense(x)
         return x @ w.astype(x.dtype)
-    return partial_products(x, w).sum(0).astype(x.dtype)
+    return expert_gemv.add_partials(partial_products(x, w)).astype(x.dtype)
 
 
 def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:

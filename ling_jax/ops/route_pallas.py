@@ -5,12 +5,16 @@ scores the sum of its two best) and weights the chosen experts by their unbiased
 renormalised and scaled. In XLA that is ~9 launches per MoE layer (sigmoid, two `top_k`s, one-hot,
 masks, gather, sums), 1-3 us each; a batch-1 decode step of Ling-3.0-tiny spent ~0.35 ms of its
 2.8 ms in them (23 MoE layers, BENCHMARKS.md). Here one program (one warp) takes one token row with
-all E logits in registers and does every stage by masked max / min reductions over the expert
-axis: the group score by two maxima per group, then `topk_group` rounds of "best group, lowest
-index on ties" and k rounds of "best expert, lowest index on ties" — the order of `lax.top_k`, so
-the kernel picks the experts the XLA form picks whenever the scores are bit-identical (interpret
-mode; on a GPU Triton's `exp` may differ from XLA's in the last bit, which can only swap experts
-whose scores tie to within that bit).
+all E logits in registers and does every stage by masked reductions. A one-warp reduction is a
+chain of dependent shuffles, so the kernel is as fast as its chain of reductions is short: all
+groups' two best at once on a [groups, E] tile (3 reductions), every expert's group score and the
+number of groups ranked above its group by two reductions over the group axis, then k rounds of
+"best expert, lowest index on ties" (2 each) — the order of `lax.top_k`, so the kernel picks the
+experts the XLA form picks whenever the scores are bit-identical (interpret mode; on a GPU
+Triton's `exp` may differ from XLA's in the last bit, which can only swap experts whose scores tie
+to within that bit) — and the chosen experts' weights in one reduction at the end. (The first
+version ran a round per group and per kept group and summed each weight in its round: 56
+reductions at Ling-3.0-tiny's shape, 5 us per call on an H200.)
 
 The weights' gradient (the kernel has none) is the XLA form's, recomputed from the logits and the
 chosen indices (`custom_vjp`): the kernel can stand in anywhere `route` runs.
@@ -44,7 +48,7 @@ def combine_weights(scores_NE: jax.Array, idx_NK: jax.Array, scale: float) -> ja
     return w_NK * scale
 
 
-def _kernel(logits_ref, layer_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_group: int, topk_group: int, k: int,
+def _kernel(logits_ref, layer_ref, bias_ref, idx_ref, w_ref, *, e: int, n_group: int, topk_group: int, k: int,
             scale: float):
     f32, ninf = jnp.float32, -jnp.inf
     row = pl.ds(pl.program_id(0), 1)
@@ -54,39 +58,38 @@ def _kernel(logits_ref, layer_ref, bias_ref, group_ref, idx_ref, w_ref, *, n_gro
     scores = jax.nn.sigmoid(logits)
     sel = scores + bias_ref[pl.ds(layer_ref[0], 1), :].astype(f32)  # padded experts: bias -inf
     sel = jnp.where(sel != sel, ninf, sel)  # NaN scores rank last: every chosen index stays a real expert
-    grp = group_ref[...]  # [1, Ep] int32 group of each expert; n_group for the padding
     ep = sel.shape[1]
     col = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)
+    grp = jnp.where(col < e, col // (e // n_group), n_group)  # [1, Ep] each expert's group; n_group: padding
 
-    def best(v, ids, none):  # row-wise maximum of v and the lowest id that attains it: [BN, 1] each
-        m = jnp.max(v, axis=1, keepdims=True)
-        return m, jnp.min(jnp.where(v == m, ids, none), axis=1, keepdims=True)
+    # every group at once, [G, Ep] (a row per group, padded to a power of two; padding groups are empty):
+    # the sum of its two best (the lowest index of equal bests counts as the first)
+    g_col = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(n_group), 1), 0)
+    in_g = grp == g_col
+    sel_g = jnp.where(in_g, sel, ninf)
+    m1 = jnp.max(sel_g, axis=1, keepdims=True)
+    i1 = jnp.min(jnp.where(in_g & (sel_g == m1), col, ep), axis=1, keepdims=True)
+    group_score = m1 + jnp.max(jnp.where(in_g & (col != i1), sel, ninf), axis=1, keepdims=True)  # [G, 1]
+    # each expert's group score and the number of groups ranked above its group (higher score, or equal
+    # with a lower index), both reduced over the group axis: kept are the experts of the best topk_group
+    score_e = jnp.sum(jnp.where(in_g, group_score, 0.0), axis=0, keepdims=True)  # [1, Ep]
+    ahead = (group_score > score_e) | ((group_score == score_e) & (g_col < grp))
+    keep = (jnp.sum(ahead.astype(jnp.int32), axis=0, keepdims=True) < topk_group) & (col < e)
 
-    group_score = jnp.full(sel.shape, ninf, f32)  # each expert's group score, the sum of its group's top 2
-    for g in range(n_group):
-        in_g = grp == g
-        m1, i1 = best(jnp.where(in_g, sel, ninf), col, ep)
-        m2 = jnp.max(jnp.where(in_g & (col != i1), sel, ninf), axis=1, keepdims=True)
-        group_score = jnp.where(in_g, m1 + m2, group_score)
-    keep = jnp.zeros(sel.shape, jnp.bool_)
-    for _ in range(topk_group):
-        _, gi = best(group_score, grp, n_group)
-        chosen = grp == gi
-        keep = keep | chosen
-        group_score = jnp.where(chosen, ninf, group_score)
+    # k rounds of "best candidate, lowest index on ties" (the order of `lax.top_k`), two reductions each
     cand = jnp.where(keep, sel, ninf)
-    kp = idx_ref.shape[1]
-    kcol = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
-    idx = jnp.zeros((sel.shape[0], kp), jnp.int32)
-    w = jnp.zeros((sel.shape[0], kp), f32)
+    kp = idx_ref.shape[0]
+    k_col = jax.lax.broadcasted_iota(jnp.int32, (kp, 1), 0)
+    idx = jnp.zeros((kp, 1), jnp.int32)
     for t in range(k):
-        _, i = best(cand, col, ep)
-        hit = col == i
-        idx = jnp.where(kcol == t, i, idx)
-        w = jnp.where(kcol == t, jnp.sum(jnp.where(hit, scores, 0.0), axis=1, keepdims=True), w)
-        cand = jnp.where(hit, ninf, cand)
+        m = jnp.max(cand, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(cand == m, col, ep), axis=1, keepdims=True)
+        idx = jnp.where(k_col == t, i, idx)
+        cand = jnp.where(col == i, ninf, cand)
+    # the chosen experts' unbiased scores, [kp, 1], in one reduction over [kp, Ep]
+    w = jnp.sum(jnp.where((col == idx) & (k_col < k), scores, 0.0), axis=1, keepdims=True)
     if k > 1:
-        w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
+        w = w / (jnp.sum(w, axis=0, keepdims=True) + 1e-20)
     idx_ref[...] = idx
     w_ref[...] = w * scale
 
@@ -103,20 +106,19 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
         bias_LE, layer = bias_E.astype(jnp.float32)[None], np.zeros(1, np.int32)
         if ep > e:
             bias_LE = jnp.pad(bias_LE, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
-    group = np.minimum(np.arange(ep, dtype=np.int32) // (e // n_group), n_group)[None]  # a constant
-    # one token per program: the rounds of the kernel are a serial chain; rows in parallel fill the GPU
-    out = pl.BlockSpec((1, kp), lambda i: (i, 0))
+    # one token per program: the rounds of the kernel are a serial chain; rows in parallel fill the GPU.
+    # Each program writes its row's choices as a [kp, 1] column (the layout the kernel computes them in)
+    out = pl.BlockSpec((None, kp, 1), lambda i: (i, 0, 0))
     idx, w = pl.pallas_call(
-        functools.partial(_kernel, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
-        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32), jax.ShapeDtypeStruct((n, kp), jnp.float32)],
+        functools.partial(_kernel, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
+        out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)],
         grid=(n,),
-        in_specs=[whole(logits), whole(layer), whole(bias_LE),
-                  pl.BlockSpec((1, ep), lambda i: (0, 0))],
+        in_specs=[whole(logits), whole(layer), whole(bias_LE)],
         out_specs=[out, out],
         name="route_select",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(logits, jnp.asarray(layer), bias_LE, jnp.asarray(group))
-    return idx[:, :k], w[:, :k]
+    )(logits, jnp.asarray(layer), bias_LE)
+    return idx[:, :k, 0], w[:, :k, 0]
 
 
 def select_experts(logits_NE: jax.Array, bias_E: jax.Array | WeightStack, *, n_group: int, topk_group: int,

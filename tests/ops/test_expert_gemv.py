@@ -10,7 +10,8 @@ import pytest
 from conftest import rel_l2
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops.expert_gemv import NormedRows, gathered_products, supported
+from ling_jax.ops import expert_gemv
+from ling_jax.ops.expert_gemv import NormedRows, add_partials, gathered_products, supported
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -96,6 +97,17 @@ def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
         gathered_products(NormedRows(x, norm_LC[:, :-16], jnp.int32(0), 1e-6), idx[:r * k], ws, rows=rows[:r * k])
     with pytest.raises(ValueError, match="must stay last"):
         NormedRows(x, norm_LC, jnp.int32(0), 1e-6)[:, 0]
+
+
+@pytest.mark.parametrize("s", [1, 7, 24, expert_gemv.MAX_ADDED_PARTIALS + 1])
+def test_partial_sums_are_elementwise_adds(s):
+    """`add_partials` gives the sum over the split, as elementwise adds of slices (which XLA fuses
+    with the sum's consumers) up to MAX_ADDED_PARTIALS partials and as one reduce beyond."""
+    parts = jnp.asarray(np.random.default_rng(s).standard_normal((s, 3, 40)), jnp.float32)
+    got = add_partials(parts)
+    np.testing.assert_allclose(got, np.asarray(parts, np.float64).sum(0), rtol=1e-5, atol=1e-6)
+    prims = {e.primitive.name for e in jax.make_jaxpr(add_partials)(parts).eqns}
+    assert ("reduce_sum" in prims) == (s > expert_gemv.MAX_ADDED_PARTIALS)
 
 
 def test_unsupported_shapes_raise():

@@ -23,6 +23,7 @@ CASES = [  # (tokens, experts, groups, groups kept, k): Ling-3.0-tiny's, flash's
     (21, 64, 4, 2, 6),  # k not a power of two
     (5, 48, 4, 3, 5),  # experts not a power of two: padded in the kernel
     (9, 16, 8, 8, 1),  # groups of two, every group kept, one expert: no renormalisation
+    (4, 96, 6, 4, 7),  # groups not a power of two: padded to 8 empty rows in the kernel
 ]
 
 
