@@ -31,7 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops.pallas_gpu import call_options, constant_index, whole
+from ling_jax.ops.pallas_gpu import call_options, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
@@ -112,24 +112,22 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float,
-            norm_layer: int | None) -> jax.Array:
+def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float) -> jax.Array:
     """The prologue of `NormedRows`: the tile x_C [BC] of row `row`, RMS-normed over the whole row with
     the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight)."""
     w_ref, layer_ref = norm_refs
-    layer = layer_ref[0] if norm_layer is None else norm_layer
     c = x_ref.shape[-1]
     chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together, summed once
     squares = [jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32)) for j in range(c // chunk)]
     r = jax.lax.rsqrt(jnp.sum(functools.reduce(operator.add, squares)) / c + eps)
     dt = x_ref.dtype
-    return ((x_C * r).astype(dt) * w_ref[layer, pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
+    return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
 def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            bc: int, bo: int, eps: float | None, expert: int | None, norm_layer: int | None):
+            bc: int, bo: int, eps: float | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, row = idx_ref[m] if expert is None else expert, row_ref[m]
+    e, row = idx_ref[m], row_ref[m]
     norm_refs, refs = (refs[:2], refs[2:]) if eps is not None else ((), refs)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
@@ -139,7 +137,7 @@ def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int,
         w_COs = [w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)] for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if norm_refs:
-            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps, norm_layer)
+            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps)
         return [jnp.sum(x_C[:, None] * w_CO.astype(jnp.float32), axis=0) for w_CO in w_COs]
 
     @pl.when(m < n_main)
@@ -174,23 +172,18 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
                                                      interpret=interpret))
 
 
-def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array | np.ndarray, weights: tuple[jax.Array, ...],
-                      *, rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
+def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+                      rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
-    (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch).
-
-    An index known at trace time and the same for every copy (a layer's projection in the unrolled
-    decode step, `layer_gemv`; the norm's layer of `NormedRows`) is compiled into the kernel
-    (`pallas_gpu.constant_index`)."""
+    (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
     norm = ()
-    eps = norm_layer = None
+    eps = None
     if isinstance(x_RC, NormedRows):
         if x_RC.weight.shape[-1] != x_RC.shape[-1]:
             raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
         norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32)), x_RC.eps
-        norm_layer = constant_index(x_RC.layer)
         x_RC = x_RC.x
     r, c = x_RC.shape
     m = idx_M.shape[0]
@@ -213,13 +206,12 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array | np.ndarra
     s = c // bc
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo, eps=eps,
-                          expert=constant_index(idx_M), norm_layer=norm_layer),
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo, eps=eps),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *norm, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(jnp.asarray(idx_M, jnp.int32), jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
+    )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
     return tuple(partials)

@@ -17,7 +17,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
@@ -30,7 +29,7 @@ class WeightStack:
     """One layer's projection [C, O], left inside its segment's stack [L, C, O]."""
 
     stack: jax.Array  # [L, C, O]
-    layer: jax.Array | np.integer  # int32 scalar, this layer's index in the stack (numpy in the unrolled step)
+    layer: jax.Array  # int32 scalar, this layer's index in the stack
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,7 +83,6 @@ def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:
     if x.shape[-1] != c:
         raise ValueError(f"layer_gemv: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
     rows_RC = x.reshape(-1, c)
-    n = rows_RC.shape[0]  # the layer stays a numpy constant where it is one (the kernel compiles it in)
-    idx_R = np.full(n, w.layer, np.int32) if isinstance(w.layer, np.integer | int) else jnp.full(n, w.layer, jnp.int32)
+    idx_R = jnp.broadcast_to(jnp.asarray(w.layer, jnp.int32), (rows_RC.shape[0],))
     (parts_SRO,) = expert_gemv.gathered_partials(rows_RC, idx_R, (w.stack,))
     return parts_SRO.reshape(parts_SRO.shape[0], *x.shape[:-1], o)

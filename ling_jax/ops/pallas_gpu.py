@@ -6,10 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
-
-CONSTANT_INDICES = True  # indices known at trace time are compiled into the kernels (`constant_index`)
 
 
 def on_gpu() -> bool:
@@ -31,19 +28,6 @@ def one_gpu() -> bool:
     from ling_jax.sharding import context_mesh, multi_device
 
     return on_gpu() and not multi_device(context_mesh())
-
-
-def constant_index(a: object) -> int | None:
-    """The value of an index (array) that is a trace-time constant with one value throughout, else None.
-
-    The unrolled decode step knows every layer's index in its stacks at trace time (numpy constants,
-    `model.run_stack`). A kernel that takes such an index as a Python int addresses the layer's
-    weights without first loading the index from memory — one dependent load less before every
-    program's weight reads — at the price of one compiled kernel per layer."""
-    if not CONSTANT_INDICES or not isinstance(a, np.ndarray | np.integer | int) or np.size(a) == 0:
-        return None
-    first = np.ravel(a)[0]
-    return int(first) if np.all(np.asarray(a) == first) else None
 
 
 def is_pow2(n: int) -> bool:

@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.layer_gemv import WeightStack
-from ling_jax.ops.pallas_gpu import call_options, constant_index, next_pow2, pad_axis, whole
+from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis, whole
 
 NUM_WARPS = 1  # one row per program: every reduction stays inside one warp (shuffles, no barriers)
 
@@ -49,15 +49,14 @@ def combine_weights(scores_NE: jax.Array, idx_NK: jax.Array, scale: float) -> ja
 
 
 def _kernel(logits_ref, layer_ref, bias_ref, idx_ref, w_ref, *, e: int, n_group: int, topk_group: int, k: int,
-            scale: float, layer: int | None):
+            scale: float):
     f32, ninf = jnp.float32, -jnp.inf
     row = pl.ds(pl.program_id(0), 1)
     # [1, Ep]: the sum of the S partial sums, unrolled so that every load is issued before the adds
     # wait on them (a loop would pay the memory latency S times over)
     logits = functools.reduce(jnp.add, [logits_ref[j, row, :] for j in range(logits_ref.shape[0])])
     scores = jax.nn.sigmoid(logits)
-    row_l = pl.ds(layer_ref[0] if layer is None else layer, 1)  # the bias's row in its stack
-    sel = scores + bias_ref[row_l, :].astype(f32)  # padded experts: bias -inf
+    sel = scores + bias_ref[pl.ds(layer_ref[0], 1), :].astype(f32)  # padded experts: bias -inf
     sel = jnp.where(sel != sel, ninf, sel)  # NaN scores rank last: every chosen index stays a real expert
     ep = sel.shape[1]
     col = jax.lax.broadcasted_iota(jnp.int32, (1, ep), 1)
@@ -101,8 +100,7 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
     ep, kp = next_pow2(e), next_pow2(k)
     logits = pad_axis(logits_SNE.astype(jnp.float32), 2, ep)
     if isinstance(bias, WeightStack) and ep == e:  # read in place: row `layer` of the stack
-        bias_LE, layer = bias.stack, np.reshape(bias.layer, 1) if isinstance(bias.layer, np.integer) else \
-            jnp.asarray(bias.layer, jnp.int32).reshape(1)
+        bias_LE, layer = bias.stack, jnp.asarray(bias.layer, jnp.int32).reshape(1)
     else:
         bias_E = bias.value() if isinstance(bias, WeightStack) else bias
         bias_LE, layer = bias_E.astype(jnp.float32)[None], np.zeros(1, np.int32)
@@ -112,8 +110,7 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
     # Each program writes its row's choices as a [kp, 1] column (the layout the kernel computes them in)
     out = pl.BlockSpec((None, kp, 1), lambda i: (i, 0, 0))
     idx, w = pl.pallas_call(
-        functools.partial(_kernel, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale,
-                          layer=constant_index(layer)),
+        functools.partial(_kernel, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)],
         grid=(n,),
         in_specs=[whole(logits), whole(layer), whole(bias_LE)],

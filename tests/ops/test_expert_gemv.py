@@ -12,7 +12,6 @@ from conftest import rel_l2
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import NormedRows, add_partials, gathered_products, supported
-from ling_jax.ops.pallas_gpu import constant_index
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -98,26 +97,6 @@ def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
         gathered_products(NormedRows(x, norm_LC[:, :-16], jnp.int32(0), 1e-6), idx[:r * k], ws, rows=rows[:r * k])
     with pytest.raises(ValueError, match="must stay last"):
         NormedRows(x, norm_LC, jnp.int32(0), 1e-6)[:, 0]
-
-
-def test_constant_indices_are_compiled_in():
-    """A layer index known at trace time (numpy, one value for every copy) addresses the weights and
-    the norm's row with no index load; the products equal those at the same index traced."""
-    rng = np.random.default_rng(11)
-    x, _, ws = _case(rng, 2, 5, 96, 32, jnp.float32)
-    norm_LC = jnp.asarray(1.0 + 0.3 * rng.standard_normal((5, 96)), jnp.float32)
-    assert constant_index(np.full(2, 3, np.int32)) == 3 and constant_index(np.int32(4)) == 4
-    assert constant_index(np.array([1, 2])) is None and constant_index(jnp.full(2, 3)) is None
-
-    @jax.jit
-    def traced(idx, layer):
-        return gathered_products(NormedRows(x, norm_LC, layer, 1e-6), idx, ws)
-
-    got = gathered_products(NormedRows(x, norm_LC, np.int32(3), 1e-6), np.full(2, 3, np.int32), ws)
-    for g, w in zip(got, traced(jnp.full(2, 3, jnp.int32), jnp.int32(3)), strict=True):
-        np.testing.assert_array_equal(g, w)
-    off = traced(jnp.full(2, 2, jnp.int32), jnp.int32(2))  # a different layer: different products
-    assert rel_l2(got[0], off[0]) > 0.1
 
 
 @pytest.mark.parametrize("s", [1, 7, 24, expert_gemv.MAX_ADDED_PARTIALS + 1])

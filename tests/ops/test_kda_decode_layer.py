@@ -3,8 +3,6 @@ step), updates only its layer's state in the stack and returns the layer's new c
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,8 +54,7 @@ def _xla(c, lower_bound, h, d):
 ])
 def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
     """Random (non-zero) inputs, state and window; the inputs in one fused array at their offsets or
-    (views=False) f and z from arrays of their own; the weights as stack views at a constant layer
-    (`pallas_gpu.constant_index`) or the layer's own arrays with the cache's layer traced."""
+    (views=False) f and z from arrays of their own; the weights as stack views or the layer's own."""
     c = _case(d + h, b, h, d, dtype)
     p = h * d
     o_want, s_want, w_want = _xla(c, lower_bound, h, d)
@@ -66,10 +63,9 @@ def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
 
     @jax.jit
     def run(y, cache, stacks):
-        if views:  # one fused array at its offsets, the weights as views of their stacks, every layer
-            inputs = Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p))  # a numpy constant (compiled in)
+        if views:  # one fused array at its offsets, the weights as views of their stacks
+            inputs = Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p))
             weights = [WeightStack(a, np.int32(LAYER)) for a in stacks]
-            cache = dataclasses.replace(cache, layer=np.int32(LAYER))
         else:
             inputs = Inputs(qkv=(y[:, : 3 * p], 0), f=(y[:, 3 * p : 4 * p], 0), b=(y, 4 * p))
             weights = [a[LAYER] for a in stacks]

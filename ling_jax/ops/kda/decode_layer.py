@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ling_jax.ops import pallas_gpu
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
@@ -76,12 +75,12 @@ def _stack(w: jax.Array | WeightStack) -> tuple[jax.Array, jax.Array | np.intege
 
 
 def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, width: int, bv: int,
-            scale: float, lower_bound: float | None, layers: tuple[int, ...] | None):
+            scale: float, lower_bound: float | None):
     f32 = jnp.float32
     srcs = refs[:n_src]
     conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out = refs[n_src:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    lc, lw, la, ld = layers if layers is not None else (idx_ref[i] for i in range(4))
+    lc, lw, la, ld = (idx_ref[i] for i in range(4))
     (sq, oq), (sf, of), (sb, ob) = roles
     dtype = o_ref.dtype
 
@@ -152,8 +151,7 @@ def kda_decode_layer(
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
     o, state, window = pl.pallas_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
-                          dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound,
-                          layers=tuple(int(i) for i in idx) if concrete and pallas_gpu.CONSTANT_INDICES else None),
+                          dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype)],
         grid=(bsz, h, dv // bv),
