@@ -35,6 +35,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -100,7 +101,8 @@ def random_cache(cfg: LingConfig, batch: int, slots: int, ctx: int, dtype) -> di
 def parse_variant(spec: str) -> tuple[str, dict[tuple[str, str], object]]:
     """'NAME:pkg.module.ATTR=VALUE,...' -> (NAME, {(module, ATTR): VALUE}); VALUE a Python literal."""
     name, sep, body = spec.partition(":")
-    items = [item.partition("=") for item in body.split(",") if item.strip()]
+    # split at the commas that start the next module.ATTR= (a VALUE may hold commas: a tuple)
+    items = [item.partition("=") for item in re.split(r",(?=\s*[\w.]+\.\w+\s*=)", body) if item.strip()]
     if not (name and sep and items and all(eq and "." in target for target, eq, _ in items)):
         raise SystemExit(f"--variant {spec!r}: expected NAME:module.ATTR=VALUE[,module.ATTR=VALUE...]")
     patches = {}

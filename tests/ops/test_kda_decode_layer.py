@@ -72,7 +72,8 @@ def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
             weights = [a[LAYER] for a in stacks]
         return kda_decode_layer(inputs, cache, *weights, lower_bound=lower_bound)
 
-    o, new = run(c["y"], cache, [c[n] for n in names])
+    o, z, new = run(c["y"], cache, [c[n] for n in names])
+    assert z is None
     assert o.dtype == dtype and o.shape == (b, h, d)
     assert rel_l2(o, o_want) < tol
     assert rel_l2(new.state[LAYER], s_want) < 1e-5
@@ -94,11 +95,15 @@ def test_reads_the_projections_partial_sums(dtype):
     cache = KdaCacheStack(c["state"], c["conv"], jnp.int32(LAYER))
     ws = [c[n][LAYER] for n in ("conv_w", "a_log", "dt_bias")]
 
-    def run(y):
-        return kda_decode_layer(Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p)), cache, *ws, lower_bound=-5.0)
+    def run(y):  # z: p columns of the noise and f (the kernel only hands them back, summed)
+        return kda_decode_layer(Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p), z=(y, 3 * p + 7)), cache, *ws,
+                                lower_bound=-5.0)
 
-    got, want = run(parts), run(add_partials(parts).astype(dtype))
-    assert got[0].dtype == dtype
+    summed = add_partials(parts).astype(dtype)
+    got, want = run(parts), run(summed)
+    assert got[0].dtype == got[1].dtype == dtype and got[1].shape == (b, h, d)
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32),
+                                  np.asarray(summed[:, 3 * p + 7:4 * p + 7].reshape(b, h, d), np.float32))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match="partial sums"):
@@ -136,7 +141,7 @@ def test_triton_lowering(h200_lowering):
     assert "triton" in mlir
 
     def from_partials(parts, state, conv, conv_w, a_log, dt_bias):  # the gemv's 24 partial sums, float32
-        inputs = Inputs(qkv=(parts, 0), f=(parts, 3 * p), b=(parts, 5 * p))
+        inputs = Inputs(qkv=(parts, 0), f=(parts, 3 * p), b=(parts, 5 * p), z=(parts, 4 * p))
         return kda_decode_layer(inputs, KdaCacheStack(state, conv, np.int32(2)), *(WeightStack(a, np.int32(2)) for a in
                                 (conv_w, a_log, dt_bias)), lower_bound=-5.0, interpret=False)
 

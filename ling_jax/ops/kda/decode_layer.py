@@ -14,7 +14,9 @@ every program of a head reads the head's q/k window (the caller writes the windo
 The arithmetic mirrors the XLA form step by step (`layers.kda.kda_mixer` at T = 1:
 `ops.short_conv.conv_silu`, `ops.kda.gate`, `ops.kda.decode.kda_decode_step`), including its
 roundings to the activation dtype (the conv output, the step's output), so the two agree to float32
-rounding. The gated output norm (over a whole head) stays in XLA. Triton lowering on GPU,
+rounding. The gated output norm (over a whole head, while a program holds a block of V) is not
+done here: the o_proj gemv applies it as it reads o (`expert_gemv.NormedRows` with a gate), and
+this kernel can hand the gate's logits back summed for it (`Inputs.z`). Triton lowering on GPU,
 interpret mode elsewhere.
 """
 
@@ -64,6 +66,7 @@ class Inputs:
     qkv: tuple[jax.Array, int]  # q, k, v of P = H * K channels each, contiguous
     f: tuple[jax.Array, int]  # [H * K]
     b: tuple[jax.Array, int]  # [H]
+    z: tuple[jax.Array, int] | None = None  # [H * V] the output gate's logits, to hand back summed (see below)
 
 
 def supported(dk: int, dv: int, width: int) -> bool:
@@ -83,10 +86,10 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
             scale: float, lower_bound: float | None):
     f32 = jnp.float32
     srcs = refs[:n_src]
-    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out = refs[n_src:]
+    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out, *z_out = refs[n_src:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lc, lw, la, ld = (idx_ref[i] for i in range(4))
-    (sq, oq), (sf, of), (sb, ob) = roles
+    (sq, oq), (sf, of), (sb, ob), *z_role = roles
     dtype = o_ref.dtype
 
     def read(src: int, cols: pl.Slice | int) -> jax.Array:
@@ -123,17 +126,23 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     s_KV = s_KV + k_K[:, None] * u_V[None, :]
     state_out[lc, b, h, :, cols] = s_KV
     o_ref[b, h, cols] = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype)
+    if z_role:
+        (sz, oz), = z_role
+        z_out[0][b, h, cols] = read(sz, pl.ds(oz + h * dv + j * bv, bv))
 
 
 def kda_decode_layer(
     inputs: Inputs, cache: KdaCacheStack, conv_w: jax.Array | WeightStack, a_log: jax.Array | WeightStack,
     dt_bias: jax.Array | WeightStack, *, lower_bound: float | None, interpret: bool | None = None,
-) -> tuple[jax.Array, KdaCacheStack]:
+) -> tuple[jax.Array, jax.Array | None, KdaCacheStack]:
     """One token per row through a KDA layer's conv, gate and recurrence: (o [B, H, V] in the
-    activation dtype, before the output norm; the cache with this layer's state replaced in its
+    activation dtype, before the output norm; the output gate's logits z [B, H, V] in the activation
+    dtype where `inputs.z` is given, else None; the cache with this layer's state replaced in its
     stack and its new window [B, W-1, 3P] in `window`).
 
-    inputs: the projected q|k|v, f and beta logits (`Inputs`; z is not read here); conv_w: the q|k|v
+    inputs: the projected q|k|v, f and beta logits, and optionally z (`Inputs`: z only passes
+    through, summed where it comes as partial sums, so that the gemv reading the output norm's rows
+    needs no XLA sum, `layers.kda.kda_decode_mixer`); conv_w: the q|k|v
     conv weights [3P, W]; a_log [H]; dt_bias [H * K] — each the layer's array or a `WeightStack`
     view. The state stack must be float32; the window stack is in the activation dtype. Programs
     run over (row, head, block of V columns), each recomputing its head's q and k (a few hundred
@@ -148,8 +157,8 @@ def kda_decode_layer(
     if cache.state.dtype != jnp.float32 or cache.conv.shape[1:] != (bsz, w - 1, 3 * p):
         raise ValueError(f"kda_decode_layer: state {cache.state.dtype}{cache.state.shape} must be float32; window "
                          f"{cache.conv.shape} must be [L, {bsz}, {w - 1}, {3 * p}]")
-    roles = (inputs.qkv, inputs.f, inputs.b)
-    for (a, col), n in zip(roles, (3 * p, p, h), strict=True):
+    roles = (inputs.qkv, inputs.f, inputs.b) + (() if inputs.z is None else (inputs.z,))
+    for (a, col), n in zip(roles, (3 * p, p, h, h * dv)[:len(roles)], strict=True):
         partials = a.ndim == 3 and a.dtype == jnp.float32
         if (a.ndim != 2 and not partials) or a.shape[-2] != bsz or col + n > a.shape[-1]:
             raise ValueError(f"kda_decode_layer: an input {a.dtype}{list(a.shape)} at column {col} must give {bsz} "
@@ -163,16 +172,18 @@ def kda_decode_layer(
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
-    o, state, window = pl.pallas_call(
+    z_shape = [] if inputs.z is None else [jax.ShapeDtypeStruct((bsz, h, dv), dtype)]
+    o, state, window, *z = pl.pallas_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
                           dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype)],
+                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype), *z_shape],
         grid=(bsz, h, dv // bv),
         in_specs=[whole(a) for a in operands],
-        out_specs=[vec, whole(cache.state), pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
+        out_specs=[vec, whole(cache.state), pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0)),
+                   *[vec for _ in z_shape]],
         input_output_aliases={len(operands) - 2: 1},
         name="kda_decode_layer",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(*operands)
-    return o, dataclasses.replace(cache, state=state, window=window)
+    return o, (z[0] if z else None), dataclasses.replace(cache, state=state, window=window)
