@@ -160,16 +160,16 @@ def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Arra
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
-def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            bc: int, bo: int, eps: float | None, n_norm: int, group: int | None):
+def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
+            extra_fixed: bool, bc: int, bo: int, eps: float | None, n_norm: int, group: int | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    e, row = idx_ref[m], row_ref[m]
+    row = row_ref[m]
     norm_refs, refs = refs[:n_norm], refs[n_norm:]
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
-    def products(tiles: list) -> list:
-        """x's tile times each (weight, first column) tile, summed over BC. The weight loads come first,
-        so that their latency covers the norm's reduction over the row."""
+    def products(tiles: list, e: jax.Array) -> list:
+        """x's tile times each (weight, first column) tile of expert e, summed over BC. The weight loads
+        come first, so that their latency covers the norm's reduction over the row."""
         w_COs = [w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)] for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if norm_refs:
@@ -178,19 +178,22 @@ def _kernel(idx_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int,
 
     @pl.when(m < n_main)
     def _():
-        for out_ref, y_O in zip(outs, products([(w_ref, 0) for w_ref in weights]), strict=True):
+        for out_ref, y_O in zip(outs, products([(w_ref, 0) for w_ref in weights], idx_ref[m] + base_ref[0]),
+                                strict=True):
             out_ref[...] = y_O
 
     if extra_cols:
         @pl.when(m >= n_main)
         def _():
-            for out_ref, y_O in zip(outs, products([(extras[j], col) for j, col in extra_cols]), strict=True):
+            e = base_ref[1] if extra_fixed else idx_ref[m]
+            for out_ref, y_O in zip(outs, products([(extras[j], col) for j, col in extra_cols], e), strict=True):
                 out_ref[...] = y_O
 
 
 def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
-                      n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                      n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
+                      interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """For every weight stack w [E, C, O]: x[rows[m]] @ w[idx[m]] for each copy m -> [M, O] float32.
 
     x: [R, C] rows; idx: [M] int32, each copy's expert (must be in [0, E)); rows: [M] static ints,
@@ -203,14 +206,21 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
     normalises its tile of the row itself (the row's sum of squares over all of C, then the model's
     RMSNorm; or the gated norm of its group, `NormedRows.group`). `interpret` defaults to True off GPU.
+
+    `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
+    idx holds only those n_main: every copy from n_main on takes expert `extra_idx`. The kernel
+    reads both from one two-value operand (a constant in the unrolled decode step), so that the
+    MoE's copies need no XLA launch to build their [M] indices (the layer's offset in the flattened
+    stacks, the shared expert's index).
     """
     return tuple(add_partials(p) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
-                                                     interpret=interpret))
+                                                            offset=offset, extra_idx=extra_idx, interpret=interpret))
 
 
 def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
-                      n_main: int | None = None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                      n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
+                      interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
@@ -230,7 +240,10 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
         norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), *gate), x_RC.eps
         x_RC = x_RC.x
     r, c = x_RC.shape
-    m = idx_M.shape[0]
+    if extra_idx is not None and (rows is None or n_main != idx_M.shape[0]):
+        raise ValueError(f"gathered_products: with extra_idx, idx [{idx_M.shape[0]}] holds the n_main={n_main} "
+                         "main copies' experts, and rows gives every copy's row")
+    m = idx_M.shape[0] if extra_idx is None else len(rows)
     o = weights[0].shape[-1]
     rows_M = np.arange(m, dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
     n_main = m if n_main is None else n_main
@@ -248,15 +261,21 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
     bc, bo = _tile(c, min(MAX_BC, group or MAX_BC)), _tile(o, MAX_BO)
     s = c // bc
+    base = [offset, 0 if extra_idx is None else extra_idx]
+    if all(isinstance(v, (int, np.integer, np.ndarray)) for v in base):  # a constant operand: no launch
+        base = np.asarray(base, np.int32).reshape(2)
+    else:
+        base = jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in base])
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
-                          extra_cols=tuple((slot[id(w)], col) for w, col in extra), bc=bc, bo=bo, eps=eps,
+                          extra_cols=tuple((slot[id(w)], col) for w, col in extra),
+                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, eps=eps,
                           n_norm=len(norm), group=group),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=[whole(a) for a in (idx_M, rows_M, x_RC, *norm, *weights, *extra_arrays)],
+        in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *norm, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(idx_M.astype(jnp.int32), jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
+    )(idx_M.astype(jnp.int32), base, jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
     return tuple(partials)

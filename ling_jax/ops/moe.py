@@ -350,25 +350,28 @@ def _gemv_experts(x_ND: jax.Array | expert_gemv.NormedRows, w_NK: jax.Array, sel
     n, k = sel_NK.shape
     dt = x_ND.dtype
     sel_M = sel_NK.reshape(-1)
+    offset = 0  # the layer's first expert in the flattened stacks (the kernel adds it)
     if stacked:  # the kernel reads the layer from the stacks: no copy
-        sel_M = sel_M + stacks[0].layer * stacks[0].shape[0]
+        offset = stacks[0].layer * stacks[0].shape[0]
         wg, wu, wd = (w.stack.reshape(-1, *w.shape[1:]) for w in stacks)
     else:
         wg, wu, wd = (materialize(w).astype(dt) for w in stacks)
     limit_M = jnp.asarray(limit, jnp.float32)
     rows_M = np.arange(n * k) // k  # each token's k copies read its row
     extra_gu = extra_d = ()
-    if shared is not None:  # then one more copy per token
+    shared_idx = None
+    if shared is not None:  # then one more copy per token, of the shared expert (the kernel's `extra_idx`)
         i = wg.shape[-1]
         gu, d = (w.stack.reshape(-1, *w.shape[1:]) for w in (shared.gate_up, shared.down))
-        sel_M = jnp.concatenate([sel_M, jnp.broadcast_to(shared.gate_up.layer, (n,))])
+        shared_idx = shared.gate_up.layer
         # per-copy clamp from a constant mask: fused into the SwiGLU (a concatenation is a launch)
         limit_M = jnp.where(np.arange(n * k + n)[:, None] >= n * k, shared.limit, limit_M)
         rows_M = np.concatenate([rows_M, np.arange(n)])
         extra_gu, extra_d = ((gu, 0), (gu, i)), ((d, 0),)
-    g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, n_main=n * k)
+    index = dict(n_main=n * k, offset=offset, extra_idx=shared_idx)
+    g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, **index)
     h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit_M)
-    (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,), extra=extra_d, n_main=n * k)
+    (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,), rows=np.arange(len(rows_M)), extra=extra_d, **index)
     y_MD = y_MD.astype(dt)
     # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
     routed_ND = jnp.sum(w_NK[..., None] * y_MD[:n * k].astype(jnp.float32).reshape(n, k, -1), axis=1)

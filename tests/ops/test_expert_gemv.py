@@ -68,6 +68,30 @@ def test_extra_copies_read_the_second_stack(dtype):
         gathered_products(x, idx, ws, rows=rows, extra=((fused, 0), (fused, o)))  # extra weights, no n_main
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_offset_and_extra_index_from_the_operand(traced):
+    """offset / extra_idx (the MoE's layer offset in the flattened stacks and the shared expert's layer,
+    constants or traced): the main copies read idx + offset, those from n_main on expert extra_idx,
+    exactly as with the [M] indices built in XLA; idx then holds only the n_main main copies."""
+    rng = np.random.default_rng(9)
+    r, k, e, c, o = 2, 3, 12, 64, 32
+    x, _, ws = _case(rng, r, e, c, o, jnp.float32)
+    fused = jnp.asarray(rng.standard_normal((4, c, 2 * o)) * 0.1, jnp.float32)
+    sel = jnp.asarray(rng.integers(0, 4, r * k), jnp.int32)
+    rows = np.concatenate([np.arange(r * k) // k, np.arange(r)])
+    kw = dict(rows=rows, extra=((fused, 0), (fused, o)), n_main=r * k)
+
+    def run(sel, offset, shared):
+        return gathered_products(x, sel, ws, offset=offset, extra_idx=shared, **kw)
+
+    got = jax.jit(run)(sel, 8, 3) if traced else run(sel, np.int32(8), np.int32(3))
+    want = gathered_products(x, jnp.concatenate([sel + 8, jnp.full((r,), 3, jnp.int32)]), ws, **kw)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="extra_idx"):
+        gathered_products(x, jnp.concatenate([sel, sel[:r]]), ws, extra_idx=3, **kw)
+
+
 @pytest.mark.parametrize("c", [96, 2048])  # the row's sum of squares in 3 x 32 and 2 x 1024 pieces
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-3)])
 def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
