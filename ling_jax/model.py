@@ -135,7 +135,7 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
              "g_proj", "dense"),
     "mlp": ("gate_up_proj", "down_proj"),
 }
-KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias", "o_norm")  # small per-layer weights the KDA decode kernels read
+KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
 NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
 
 
@@ -154,7 +154,7 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
     `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
     `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
-    KDA decode layer kernel, `ops.kda.decode_layer`, and the o_proj gemv's output norm).
+    KDA decode layer kernel, `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}

@@ -18,14 +18,14 @@ import numpy as np
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
-from ling_jax.ops.expert_gemv import NormedRows, add_partials, dense, groups_supported
+from ling_jax.ops.expert_gemv import NormedRows, dense
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import WeightStack, linear, pad_columns, partial_products
+from ling_jax.ops.layer_gemv import linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -170,39 +170,18 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     (`ops.kda.decode_layer`) on the segment's cache stacks: (out [B, 1, D], the cache with the state
     stack updated in place and the layer's new window). Takes the decode params
     (`fuse_input_projections`): q|k|v, f and the beta logits are read by column from the fused
-    projection's output, f through its second low-rank factor where the gates are low-rank.
-
-    With the projections as `WeightStack`s (the batch-1 step), the layer kernel reads the input
-    projection's gemv partial sums and adds them itself, hands back the summed output gate z (full
-    rank), and the o_proj gemv applies the gated output norm to the rows it reads
-    (`expert_gemv.NormedRows` with a gate): the mixer has no XLA launch between its kernels."""
+    projection's output, f through its second low-rank factor where the gates are low-rank."""
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
-    w, o_norm = p[FUSED_INPUT], p["o_norm"]
-    gemv = isinstance(w, WeightStack)
-    fold_norm = (gemv and isinstance(p["o_proj"], WeightStack) and isinstance(o_norm, WeightStack)
-                 and groups_supported(h * dh, dh))
     with jax.named_scope("qkv"):
-        if gemv:  # the gemv's partial sums: the kernel adds those it reads (`Inputs`)
-            src = partial_products(x_B1D[:, 0], w)
-            y_BO = add_partials(src).astype(x_B1D.dtype)  # read here only for a low-rank f or z (or z's XLA norm)
-        else:
-            src = y_BO = linear(x_B1D[:, 0], w)
-        f = (src, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
-        z_in = (src, s[4]) if fold_norm and "g_proj" in p else None  # the kernel hands z back summed
-    with jax.named_scope("recurrence"):
-        o_BHV, z_BHV, new = kda_decode_layer(Inputs(qkv=(src, 0), f=f, b=(src, s[5]), z=z_in), cache, p[FUSED_CONV],
-                                             p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
-    if z_BHV is not None:
-        z_BX = z_BHV.reshape(b, h * dh)
-    else:
+        y_BO = linear(x_B1D[:, 0], p[FUSED_INPUT])
+        f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
         z_BX = y_BO[:, s[4]:s[5]] if "g_proj" in p else linear(y_BO[:, s[4]:s[5]], p["g_b_proj"])
-    if fold_norm:  # the o_proj gemv norms the rows it reads
-        rows = NormedRows(o_BHV.reshape(b, h * dh), o_norm.stack, o_norm.layer, cfg.rms_norm_eps, gate=z_BX, group=dh)
-    else:
-        o_norm = o_norm.value() if isinstance(o_norm, WeightStack) else o_norm
-        rows = gated_rms_norm(o_BHV, z_BX.reshape(b, h, dh), o_norm, cfg.rms_norm_eps).reshape(b, h * dh)
-    return linear(rows, p["o_proj"])[:, None], new
+    with jax.named_scope("recurrence"):
+        o_BHV, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
+                                      p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
+    o_BHV = gated_rms_norm(o_BHV, z_BX.reshape(b, h, dh), p["o_norm"], cfg.rms_norm_eps)
+    return linear(o_BHV.reshape(b, h * dh), p["o_proj"])[:, None], new
 
 
 def kda_mixer(

@@ -24,15 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.layers.norms import gated_rms_norm, rms_norm
-from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+from ling_jax.layers.norms import rms_norm
+from ling_jax.ops.pallas_gpu import call_options, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
@@ -40,6 +40,9 @@ MIN_TILE = 16
 NUM_WARPS = 4
 MAX_NORM_CHUNK = 1024  # the widest piece of a row the RMS-norm prologue loads at once
 MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elementwise (more: one reduce)
+# Triton's L2 eviction policy for the weight tiles (None: the default). evict_first measured -2.5% per
+# batch-1 decode step on an H200 (BENCHMARKS.md, eleventh session)
+WEIGHT_EVICTION: str | None = "evict_first"
 
 
 @jax.tree_util.register_dataclass
@@ -48,22 +51,12 @@ class NormedRows:
     """`rms_norm(x, weight[layer], eps)` not yet computed: rows for the kernel to normalise as it reads
     them (`gathered_partials`), so that a decode step's RMSNorm costs no launches of its own. The
     norm weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied).
-    Other consumers take `value()`. Indexing and reshapes apply to x (and the gate) and keep the
-    last axis.
-
-    With `group` and `gate`, the KDA output norm instead (`layers.norms.gated_rms_norm`): the RMS over
-    each group of `group` channels (a head), times weight[layer] ([L, group]), times sigmoid(gate)."""
+    Other consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
 
     x: jax.Array  # [..., C] the rows before the norm
-    weight: jax.Array  # [L, C] (or [L, group]) the norm weights of a segment's layers
+    weight: jax.Array  # [L, C] the norm weights of a segment's layers
     layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
     eps: float = dataclasses.field(metadata={"static": True})
-    gate: jax.Array | None = None  # [..., C] the output gate's logits (with `group`)
-    group: int | None = dataclasses.field(default=None, metadata={"static": True})
-
-    def __post_init__(self) -> None:
-        if (self.gate is None) != (self.group is None):
-            raise ValueError("NormedRows: a gate and a group come together (the KDA output norm)")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,24 +67,19 @@ class NormedRows:
         return self.x.dtype
 
     def value(self) -> jax.Array:
-        """The normed rows as an array (the model's `rms_norm` or `gated_rms_norm`, in XLA)."""
-        if self.group is None:
-            return rms_norm(self.x, self.weight[self.layer], self.eps)
-        heads = (*self.x.shape[:-1], self.x.shape[-1] // self.group, self.group)
-        y = gated_rms_norm(self.x.reshape(heads), self.gate.reshape(heads), self.weight[self.layer], self.eps)
-        return y.reshape(self.x.shape)
+        """The normed rows as an array (the model's `rms_norm`, in XLA)."""
+        return rms_norm(self.x, self.weight[self.layer], self.eps)
 
     def reshape(self, *shape: int) -> NormedRows:
-        return self._rows(lambda a: a.reshape(*shape))
+        return self._rows(self.x.reshape(*shape))
 
     def __getitem__(self, index: object) -> NormedRows:
-        return self._rows(lambda a: a[index])
+        return self._rows(self.x[index])
 
-    def _rows(self, op: Callable[[jax.Array], jax.Array]) -> NormedRows:
-        x = op(self.x)
+    def _rows(self, x: jax.Array) -> NormedRows:
         if x.shape[-1] != self.x.shape[-1]:
             raise ValueError(f"NormedRows: the normed axis ({self.x.shape[-1]}) must stay last, got {x.shape}")
-        return dataclasses.replace(self, x=x, gate=None if self.gate is None else op(self.gate))
+        return dataclasses.replace(self, x=x)
 
 
 def dense(x: jax.Array | NormedRows) -> jax.Array:
@@ -107,12 +95,7 @@ def add_partials(parts_S: jax.Array) -> jax.Array:
     slices it is a loop fusion that takes them in."""
     if parts_S.shape[0] > MAX_ADDED_PARTIALS:
         return parts_S.sum(0)
-    return tree_sum([parts_S[i] for i in range(parts_S.shape[0])])
-
-
-def tree_sum(parts: list[jax.Array]) -> jax.Array:
-    """The sum of `parts` added pairwise, in the order `add_partials` adds them (a kernel that adds
-    the partial sums itself, `ops.kda.decode_layer`, gets the same bits)."""
+    parts = [parts_S[i] for i in range(parts_S.shape[0])]
     while len(parts) > 1:
         parts = [a + b for a, b in zip(parts[::2], parts[1::2], strict=False)] + parts[len(parts) // 2 * 2:]
     return parts[0]
@@ -133,47 +116,38 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def groups_supported(c: int, group: int) -> bool:
-    """Whether the kernel can norm rows of C channels in groups of `group` (`NormedRows.group`): power-of-two
-    groups >= MIN_TILE that divide C (each tile then lies inside one group)."""
-    return is_pow2(group) and group >= MIN_TILE and c % group == 0
-
-
-def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float,
-            group: int | None) -> jax.Array:
+def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float) -> jax.Array:
     """The prologue of `NormedRows`: the tile x_C [BC] of row `row`, RMS-normed over the whole row with
-    the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight);
-    with a `group`, over the tile's group of channels, times the weight and sigmoid(gate), all in
-    float32 and cast once (`layers.norms.gated_rms_norm`; a tile lies inside one group)."""
-    w_ref, layer_ref, *gate_ref = norm_refs
-    dt = x_ref.dtype
-    if group is not None:
-        start = s * bc // group * group
-        r = jax.lax.rsqrt(jnp.sum(jnp.square(x_ref[row, pl.ds(start, group)].astype(jnp.float32))) / group + eps)
-        w_C = w_ref[layer_ref[0], pl.ds(s * bc - start, bc)].astype(jnp.float32)
-        z_C = gate_ref[0][row, pl.ds(s * bc, bc)].astype(jnp.float32)
-        return (x_C * r * w_C * jax.nn.sigmoid(z_C)).astype(dt).astype(jnp.float32)
+    the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight)."""
+    w_ref, layer_ref = norm_refs
     c = x_ref.shape[-1]
     chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together, summed once
     squares = [jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32)) for j in range(c // chunk)]
     r = jax.lax.rsqrt(jnp.sum(functools.reduce(operator.add, squares)) / c + eps)
+    dt = x_ref.dtype
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
+def _load_weight(ref) -> jax.Array:
+    """A weight tile, loaded with `WEIGHT_EVICTION`: each is read once per step, so it goes first out
+    of L2 and leaves it to what is reused (the partial sums, activations, the KDA state)."""
+    return pltriton.load(ref, eviction_policy=WEIGHT_EVICTION)
+
+
 def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            extra_fixed: bool, bc: int, bo: int, eps: float | None, n_norm: int, group: int | None):
+            extra_fixed: bool, bc: int, bo: int, eps: float | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = row_ref[m]
-    norm_refs, refs = refs[:n_norm], refs[n_norm:]
+    norm_refs, refs = (refs[:2], refs[2:]) if eps is not None else ((), refs)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def products(tiles: list, e: jax.Array) -> list:
         """x's tile times each (weight, first column) tile of expert e, summed over BC. The weight loads
         come first, so that their latency covers the norm's reduction over the row."""
-        w_COs = [w_ref[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)] for w_ref, col in tiles]
+        w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)]) for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if norm_refs:
-            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps, group)
+            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps)
         return [jnp.sum(x_C[:, None] * w_CO.astype(jnp.float32), axis=0) for w_CO in w_COs]
 
     @pl.when(m < n_main)
@@ -205,7 +179,7 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
     normalises its tile of the row itself (the row's sum of squares over all of C, then the model's
-    RMSNorm; or the gated norm of its group, `NormedRows.group`). `interpret` defaults to True off GPU.
+    RMSNorm). `interpret` defaults to True off GPU.
 
     `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
     idx holds only those n_main: every copy from n_main on takes expert `extra_idx`. The kernel
@@ -225,19 +199,11 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
     norm = ()
-    eps = group = None
+    eps = None
     if isinstance(x_RC, NormedRows):
-        group = x_RC.group
-        if x_RC.weight.shape[-1] != (group or x_RC.shape[-1]):
-            raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}"
-                             + ("" if group is None else f" in groups of {group}"))
-        if group is not None and not groups_supported(x_RC.shape[-1], group):
-            raise ValueError(f"gathered_products: groups of {group} of C={x_RC.shape[-1]} are not power-of-two "
-                             f"tiles >= {MIN_TILE}")
-        if x_RC.gate is not None and x_RC.gate.shape != x_RC.shape:
-            raise ValueError(f"gathered_products: the gate {x_RC.gate.shape} does not match rows {x_RC.shape}")
-        gate = () if x_RC.gate is None else (x_RC.gate,)
-        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), *gate), x_RC.eps
+        if x_RC.weight.shape[-1] != x_RC.shape[-1]:
+            raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
+        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32)), x_RC.eps
         x_RC = x_RC.x
     r, c = x_RC.shape
     if extra_idx is not None and (rows is None or n_main != idx_M.shape[0]):
@@ -259,7 +225,7 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
                          f"{len(weights)} outputs C={c} rows and O={o} columns, for the copies from n_main on")
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
-    bc, bo = _tile(c, min(MAX_BC, group or MAX_BC)), _tile(o, MAX_BO)
+    bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
     base = [offset, 0 if extra_idx is None else extra_idx]
     if all(isinstance(v, (int, np.integer, np.ndarray)) for v in base):  # a constant operand: no launch
@@ -269,8 +235,7 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),
-                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, eps=eps,
-                          n_norm=len(norm), group=group),
+                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, eps=eps),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *norm, *weights, *extra_arrays)],

@@ -14,9 +14,7 @@ every program of a head reads the head's q/k window (the caller writes the windo
 The arithmetic mirrors the XLA form step by step (`layers.kda.kda_mixer` at T = 1:
 `ops.short_conv.conv_silu`, `ops.kda.gate`, `ops.kda.decode.kda_decode_step`), including its
 roundings to the activation dtype (the conv output, the step's output), so the two agree to float32
-rounding. The gated output norm (over a whole head, while a program holds a block of V) is not
-done here: the o_proj gemv applies it as it reads o (`expert_gemv.NormedRows` with a gate), and
-this kernel can hand the gate's logits back summed for it (`Inputs.z`). Triton lowering on GPU,
+rounding. The gated output norm (over a whole head) stays in XLA. Triton lowering on GPU,
 interpret mode elsewhere.
 """
 
@@ -30,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.expert_gemv import tree_sum
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
@@ -57,16 +54,11 @@ class KdaCacheStack:
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """Where the layer's projected inputs are: each an (array [B, O], first column) pair; arrays may
-    repeat (the fused input projection holds q|k|v, the gate input f and the beta logits side by side).
-    An array may also be the gemv kernel's float32 partial sums [S, B, O] of the projection
-    (`layer_gemv.partial_products`): the kernel adds the values it reads (`expert_gemv.tree_sum`, the
-    order of `add_partials`) and rounds them to the activation dtype, as `layer_gemv.linear` would,
-    so that the projection's sum is no launch of its own."""
+    repeat (the fused input projection holds q|k|v, the gate input f and the beta logits side by side)."""
 
     qkv: tuple[jax.Array, int]  # q, k, v of P = H * K channels each, contiguous
     f: tuple[jax.Array, int]  # [H * K]
     b: tuple[jax.Array, int]  # [H]
-    z: tuple[jax.Array, int] | None = None  # [H * V] the output gate's logits, to hand back summed (see below)
 
 
 def supported(dk: int, dv: int, width: int) -> bool:
@@ -86,23 +78,16 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
             scale: float, lower_bound: float | None):
     f32 = jnp.float32
     srcs = refs[:n_src]
-    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out, *z_out = refs[n_src:]
+    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out = refs[n_src:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lc, lw, la, ld = (idx_ref[i] for i in range(4))
-    (sq, oq), (sf, of), (sb, ob), *z_role = roles
+    (sq, oq), (sf, of), (sb, ob) = roles
     dtype = o_ref.dtype
-
-    def read(src: int, cols: pl.Slice | int) -> jax.Array:
-        """Row b's values at `cols` of input array `src`, in the activation dtype (partial sums added)."""
-        ref = srcs[src]
-        if len(ref.shape) == 2:
-            return ref[b, cols]
-        return tree_sum([ref[i, b, cols] for i in range(ref.shape[0])]).astype(dtype)
 
     def conv_silu(c: int | jax.Array, n: int, keep: bool | jax.Array) -> jax.Array:
         """silu(conv) of q|k|v channels [c, c + n) in the activation dtype; where `keep`, their new window."""
         taps = [win_ref[lc, b, t, pl.ds(c, n)] for t in range(width - 1)]
-        taps.append(read(sq, pl.ds(oq + c, n)).astype(win_ref.dtype))
+        taps.append(srcs[sq][b, pl.ds(oq + c, n)].astype(win_ref.dtype))
         acc = jnp.zeros((n,), f32)
         for t, tap in enumerate(taps):
             acc = acc + tap.astype(f32) * conv_w_ref[lw, pl.ds(c, n), t].astype(f32)
@@ -117,32 +102,26 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     q_K = l2_normalize(conv_silu(h * dk, dk, j == 0)) * scale  # every program of the head: the same q, k
     k_K = l2_normalize(conv_silu(p + h * dk, dk, j == 0))
     v_V = conv_silu(2 * p + h * dv + j * bv, bv, True).astype(f32)
-    x_K = read(sf, pl.ds(of + h * dk, dk)).astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
+    x_K = srcs[sf][b, pl.ds(of + h * dk, dk)].astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
     g_K = log_decay(x_K, jnp.exp(a_log_ref[la, h].astype(f32)), lower_bound)
-    beta = jax.nn.sigmoid(read(sb, ob + h).astype(f32))
+    beta = jax.nn.sigmoid(srcs[sb][b, ob + h].astype(f32))
     cols = pl.ds(j * bv, bv)
     s_KV = state_ref[lc, b, h, :, cols] * jnp.exp(g_K)[:, None]
     u_V = beta * (v_V - jnp.sum(k_K[:, None] * s_KV, axis=0))
     s_KV = s_KV + k_K[:, None] * u_V[None, :]
     state_out[lc, b, h, :, cols] = s_KV
     o_ref[b, h, cols] = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype)
-    if z_role:
-        (sz, oz), = z_role
-        z_out[0][b, h, cols] = read(sz, pl.ds(oz + h * dv + j * bv, bv))
 
 
 def kda_decode_layer(
     inputs: Inputs, cache: KdaCacheStack, conv_w: jax.Array | WeightStack, a_log: jax.Array | WeightStack,
     dt_bias: jax.Array | WeightStack, *, lower_bound: float | None, interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array | None, KdaCacheStack]:
+) -> tuple[jax.Array, KdaCacheStack]:
     """One token per row through a KDA layer's conv, gate and recurrence: (o [B, H, V] in the
-    activation dtype, before the output norm; the output gate's logits z [B, H, V] in the activation
-    dtype where `inputs.z` is given, else None; the cache with this layer's state replaced in its
+    activation dtype, before the output norm; the cache with this layer's state replaced in its
     stack and its new window [B, W-1, 3P] in `window`).
 
-    inputs: the projected q|k|v, f and beta logits, and optionally z (`Inputs`: z only passes
-    through, summed where it comes as partial sums, so that the gemv reading the output norm's rows
-    needs no XLA sum, `layers.kda.kda_decode_mixer`); conv_w: the q|k|v
+    inputs: the projected q|k|v, f and beta logits (`Inputs`; z is not read here); conv_w: the q|k|v
     conv weights [3P, W]; a_log [H]; dt_bias [H * K] — each the layer's array or a `WeightStack`
     view. The state stack must be float32; the window stack is in the activation dtype. Programs
     run over (row, head, block of V columns), each recomputing its head's q and k (a few hundred
@@ -151,18 +130,16 @@ def kda_decode_layer(
     bsz, h, dk, dv = cache.state.shape[1:5]
     w = cache.conv.shape[2] + 1
     p = h * dk
-    dtype = cache.conv.dtype  # the activation dtype
+    dtype = inputs.qkv[0].dtype
     if not supported(dk, dv, w) or dk != dv:
         raise ValueError(f"kda_decode_layer: K={dk}, V={dv} (powers of two >= 16, equal) and conv width {w} (>= 2)")
     if cache.state.dtype != jnp.float32 or cache.conv.shape[1:] != (bsz, w - 1, 3 * p):
         raise ValueError(f"kda_decode_layer: state {cache.state.dtype}{cache.state.shape} must be float32; window "
                          f"{cache.conv.shape} must be [L, {bsz}, {w - 1}, {3 * p}]")
-    roles = (inputs.qkv, inputs.f, inputs.b) + (() if inputs.z is None else (inputs.z,))
-    for (a, col), n in zip(roles, (3 * p, p, h, h * dv)[:len(roles)], strict=True):
-        partials = a.ndim == 3 and a.dtype == jnp.float32
-        if (a.ndim != 2 and not partials) or a.shape[-2] != bsz or col + n > a.shape[-1]:
-            raise ValueError(f"kda_decode_layer: an input {a.dtype}{list(a.shape)} at column {col} must give {bsz} "
-                             f"rows of {n} ([B, O], or [S, B, O] float32 partial sums)")
+    roles = (inputs.qkv, inputs.f, inputs.b)
+    for (a, col), n in zip(roles, (3 * p, p, h), strict=True):
+        if a.shape[0] != bsz or a.ndim != 2 or col + n > a.shape[1]:
+            raise ValueError(f"kda_decode_layer: an input [{a.shape}] at column {col} must give {bsz} rows of {n}")
     arrays = list({id(a): a for a, _ in roles}.values())
     slot = {id(a): i for i, a in enumerate(arrays)}
     stacks = [_stack(x) for x in (conv_w, a_log, dt_bias)]
@@ -172,18 +149,16 @@ def kda_decode_layer(
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
-    z_shape = [] if inputs.z is None else [jax.ShapeDtypeStruct((bsz, h, dv), dtype)]
-    o, state, window, *z = pl.pallas_call(
+    o, state, window = pl.pallas_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
                           dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype), *z_shape],
+                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype)],
         grid=(bsz, h, dv // bv),
         in_specs=[whole(a) for a in operands],
-        out_specs=[vec, whole(cache.state), pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0)),
-                   *[vec for _ in z_shape]],
+        out_specs=[vec, whole(cache.state), pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
         input_output_aliases={len(operands) - 2: 1},
         name="kda_decode_layer",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(*operands)
-    return o, (z[0] if z else None), dataclasses.replace(cache, state=state, window=window)
+    return o, dataclasses.replace(cache, state=state, window=window)
