@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops.pallas_gpu import call_options, whole
+from ling_jax.ops.pallas_gpu import call_options, index_operand, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
@@ -227,11 +227,7 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
     bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
     s = c // bc
-    base = [offset, 0 if extra_idx is None else extra_idx]
-    if all(isinstance(v, (int, np.integer, np.ndarray)) for v in base):  # a constant operand: no launch
-        base = np.asarray(base, np.int32).reshape(2)
-    else:
-        base = jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in base])
+    base = index_operand([offset, 0 if extra_idx is None else extra_idx])
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),

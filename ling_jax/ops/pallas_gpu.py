@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 
@@ -48,6 +49,15 @@ def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, extra)
     return jnp.pad(a, widths)
+
+
+def index_operand(values: list) -> np.ndarray | jax.Array:
+    """Scalar indices (ints, numpy or traced int32 scalars) as one int32 [n] kernel operand: a numpy
+    constant where every value is one (the unrolled decode step's layer indices: no launch to build
+    it), else stacked in XLA."""
+    if all(isinstance(v, (int, np.integer, np.ndarray)) for v in values):
+        return np.asarray(values, np.int32).reshape(len(values))
+    return jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in values])
 
 
 def whole(a: jax.Array) -> pl.BlockSpec:

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
-from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+from ling_jax.ops.pallas_gpu import call_options, index_operand, is_pow2, whole
 
 BV = 32  # state columns per program (16 when rows x heads x V / 32 would not fill the GPU)
 MIN_PROGRAMS = 132
@@ -144,8 +144,7 @@ def kda_decode_layer(
     slot = {id(a): i for i, a in enumerate(arrays)}
     stacks = [_stack(x) for x in (conv_w, a_log, dt_bias)]
     layers = [cache.layer, *(layer for _, layer in stacks)]
-    concrete = all(isinstance(x, (int, np.integer, np.ndarray)) for x in layers)  # a constant operand, no launch
-    idx = np.asarray(layers, np.int32) if concrete else jnp.stack([jnp.asarray(x, jnp.int32) for x in layers])
+    idx = index_operand(layers)
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
