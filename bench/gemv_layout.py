@@ -82,7 +82,7 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
     ws = [jax.random.normal(k, (c, o), jnp.bfloat16) * 0.02 for k in jax.random.split(kw, calls)]
     wts = [w.T.copy() for w in ws]
     idx = jnp.zeros((1,), jnp.int32)
-    ref = [(x.astype(jnp.float32) @ w.astype(jnp.float32)) for x, w in zip(xs[:1], ws[:1], strict=True)][0]
+    ref = xs[0].astype(jnp.float32) @ ws[0].astype(jnp.float32)
     fns: dict[str, tuple[Callable[..., Any], list]] = {
         "cols": (lambda x, w: expert_gemv.gathered_products(x[None], idx, (w[None],), interpret=interpret)[0][0], ws),
         "xla": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), ws),
