@@ -83,8 +83,12 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
     wts = [w.T.copy() for w in ws]
     idx = jnp.zeros((1,), jnp.int32)
     ref = xs[0].astype(jnp.float32) @ ws[0].astype(jnp.float32)
+    def cols(x: jax.Array, w: jax.Array) -> jax.Array:
+        return expert_gemv.gathered_products(x[None], idx, (w[None],), interpret=interpret)[0][0]
+
     fns: dict[str, tuple[Callable[..., Any], list]] = {
-        "cols": (lambda x, w: expert_gemv.gathered_products(x[None], idx, (w[None],), interpret=interpret)[0][0], ws),
+        "cols": (cols, ws),
+        "cols_l2": (cols, [ws[0]] * calls),
         "xla": (lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32), ws),
         "xla_t": (lambda x, w: jnp.dot(w, x, preferred_element_type=jnp.float32), wts),
         "read": (lambda x, w: jnp.sum(w.astype(jnp.float32)), ws),
