@@ -7,7 +7,8 @@ The decode step's projections (x [1, C] @ w [C, O]) cost only the weight's read,
 profiles the gemv kernel reads at 2.2-2.6 TB/s where XLA's lm_head product reads 483 MB at 4.4
 TB/s (BENCHMARKS.md, "Decode"). This times, per projection shape, one jitted call of `--calls`
 independent instances (distinct weights, more bytes in all than L2 holds; us per instance = the
-call's median / calls):
+call's median / calls; with `--trace DIR` also the kernels' device time per instance, from a
+`jax.profiler` trace: wall clock on calls this short counts dispatch and clock ramp-up too):
 
   cols      the committed kernel (`expert_gemv.gathered_products`) on w [C, O]: one [BC, BO] tile
             per program, XLA's sum of the [C / BC, O] partial sums
@@ -38,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
+from bench.device_profile import device_profile
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.pallas_gpu import call_options, whole
 
@@ -70,14 +72,22 @@ def rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int, bch: int, warps: int,
         **call_options(interpret, num_warps=warps, num_stages=stages))(x_C, w_OC)
 
 
-def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int) -> float:
+def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int, logdir: str | None) -> dict[str, float]:
+    """us per instance: wall (median of reps) and, with a trace dir, device kernel time (3 traced calls)."""
     f = jax.jit(lambda *a: [fn(*xs) for xs in zip(*a, strict=True)])
-    return median_time(lambda: f(*args), reps=reps, warmup=2) / calls * 1e6
+    out = {"wall_us": median_time(lambda: f(*args), reps=reps, warmup=3) / calls * 1e6}
+    if logdir:
+        prof = device_profile(lambda: f(*args), logdir, calls=3)
+        if not prof["kernel_time_s_per_call"]:  # no device plane off GPU
+            return out
+        out["device_us"] = prof["kernel_time_s_per_call"] / calls * 1e6
+        out["kernels_per_instance"] = prof["kernels_per_call"] / calls
+    return out
 
 
-def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: bool) -> dict[str, Any]:
-    key = jax.random.key(hash(name) % 2**31)
-    kx, kw = jax.random.split(key)
+def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: bool,
+                logdir: str | None) -> dict[str, Any]:
+    kx, kw = jax.random.split(jax.random.key(c * o))
     xs = [jax.random.normal(k, (c,), jnp.bfloat16) for k in jax.random.split(kx, calls)]
     ws = [jax.random.normal(k, (c, o), jnp.bfloat16) * 0.02 for k in jax.random.split(kw, calls)]
     wts = [w.T.copy() for w in ws]
@@ -102,14 +112,19 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
     for label, (fn, weights) in fns.items():
         out = jax.jit(fn)(xs[0], weights[0])
         err = None if label == "read" else float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        us = _time(fn, (xs, weights), calls, reps)
-        rows.append({"impl": label, "us": us, "GBps": nbytes / us / 1e3, "rel_l2_vs_f32": err})
-        print(f"{name:14s} [{c}, {o}] {label:22s} {us:8.2f} us  {nbytes / us / 1e3:7.0f} GB/s  err {err}", flush=True)
+        t = _time(fn, (xs, weights), calls, reps, logdir and f"{logdir}/{name}_{label.replace('/', '_')}")
+        us = t.get("device_us", t["wall_us"])
+        rows.append({"impl": label, **t, "GBps": nbytes / us / 1e3, "rel_l2_vs_f32": err})
+        dev = t.get("device_us", float("nan"))
+        print(f"{name:14s} [{c}, {o}] {label:22s} wall {t['wall_us']:8.2f} us  device {dev:8.2f} us "
+              f"{nbytes / us / 1e3:7.0f} GB/s  err {err}", flush=True)
     return {"shape": name, "C": c, "O": o, "bytes": nbytes, "rows": rows}
 
 
-def copy_rates(gib: float) -> dict[str, float]:
-    """The decode floor's copy bandwidth, the same pass donated, and a read-only sum (bytes/s)."""
+def copy_rates(gib: float, logdir: str | None) -> dict[str, float]:
+    """GB/s of: the decode floor's copy bandwidth (`bench.common.copy_bandwidth`, wall clock), then by
+    wall clock and (with a trace dir) device time, a bf16 `a * 2` pass, the same with the input
+    donated, XLA's copy of the array (read + write) and a float32 sum of it (read only)."""
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     state = {"x": x * 1}
@@ -119,10 +134,18 @@ def copy_rates(gib: float) -> dict[str, float]:
         state["x"] = donated(state["x"])
         return state["x"]
 
-    read = jax.jit(lambda a: jnp.sum(a.astype(jnp.float32)))
-    return {"copy_bandwidth_GBps (bench.common)": copy_bandwidth(gib) / 1e9,
-            "donated_a_times_2_GBps": 2 * x.nbytes / median_time(run_donated, reps=10, warmup=3) / 1e9,
-            "read_only_sum_GBps": x.nbytes / median_time(lambda: read(x), reps=10, warmup=3) / 1e9}
+    passes = {"a_times_2": (jax.jit(lambda a: a * 2), 2), "donated_a_times_2": (run_donated, 2),
+              "copy": (jax.jit(jnp.copy), 2), "read_only_sum": (jax.jit(lambda a: jnp.sum(a.astype(jnp.float32))), 1)}
+    out = {"bench.common.copy_bandwidth": copy_bandwidth(gib) / 1e9}
+    for name, (fn, touches) in passes.items():
+        call = fn if name.startswith("donated") else functools.partial(fn, x)
+        out[f"{name}_wall"] = touches * x.nbytes / median_time(call, reps=10, warmup=3) / 1e9
+        if logdir:
+            jax.block_until_ready(call())
+            prof = device_profile(call, f"{logdir}/copy_{name}", calls=3)
+            if prof["kernel_time_s_per_call"]:  # no device plane off GPU
+                out[f"{name}_device"] = touches * x.nbytes / prof["kernel_time_s_per_call"] / 1e9
+    return out
 
 
 def main() -> None:
@@ -130,16 +153,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--trace", metavar="DIR", help="also time every kernel on the device (jax.profiler traces here)")
     ap.add_argument("--smoke", action="store_true", help="small shapes, interpret mode (CPU check of the script)")
     args = ap.parse_args()
     interpret = args.smoke or jax.default_backend() != "gpu"
     shapes = {"small": (256, 512)} if args.smoke else SHAPES
     calls, reps = (2, 2) if args.smoke else (args.calls, args.reps)
     result: dict[str, Any] = {**machine(), "calls_per_jit": calls, "reps": reps,
-                              "copy": copy_rates(0.01 if args.smoke else 2.0), "runs": []}
+                              "copy": copy_rates(0.01 if args.smoke else 2.0, args.trace), "runs": []}
     print(result["copy"], flush=True)
     for name, (c, o) in shapes.items():
-        result["runs"].append(bench_shape(name, c, o, calls, reps, interpret))
+        result["runs"].append(bench_shape(name, c, o, calls, reps, interpret, args.trace))
     write_json(args.out, result)
 
 
