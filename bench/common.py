@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,12 +81,22 @@ def median_time(fn: Callable[[], Any], *, reps: int = 5, warmup: int = 1) -> flo
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes/s of a device-to-device elementwise pass (bytes read + bytes written)."""
+    """Bytes/s of a device-to-device copy of a `gib` GiB array (bytes read + bytes written): XLA's copy,
+    timed on the device (its kernels' time in a `jax.profiler` trace of 3 calls), or by the wall
+    clock where the trace has no device plane (CPU).
+
+    Until 2026-12-03 this timed a bf16 `a * 2` pass by the wall clock: 2.3-2.9 TB/s on an H200, where
+    the device-timed copy moves 4.26 TB/s and a read-only sum 4.65 TB/s (`bench/gemv_layout.py`,
+    BENCHMARKS.md): the wall clock of one short call counts its dispatch and the clocks' ramp-up."""
+    from bench.device_profile import device_profile
+
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 2)
-    t = median_time(lambda: f(x), reps=10, warmup=2)
-    return 2 * x.nbytes / t
+    f = jax.jit(jnp.copy)
+    t = median_time(lambda: f(x), reps=10, warmup=3)
+    with tempfile.TemporaryDirectory() as trace:
+        on_device = device_profile(lambda: f(x), trace, calls=3)["kernel_time_s_per_call"]
+    return 2 * x.nbytes / (on_device or t)
 
 
 def matmul_rate(n: int = 8192) -> float:
