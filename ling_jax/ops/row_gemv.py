@@ -4,7 +4,9 @@ The gemv kernel (`ops.expert_gemv`) reads a [C, O] weight in [BC, BO] tiles, eac
 2 * BO contiguous bytes, and leaves the [C / BC, O] partial sums to a second launch. Stored
 transposed, [O, C] (the checkpoint's own layout), each output is one contiguous row: a program
 here reads BO whole rows in BCH-wide steps of a pipelined loop, sums them itself and writes its BO
-outputs in the activation dtype, so no partial sums and no launch to add them. On an H200 the
+outputs in the activation dtype, so no partial sums and no launch to add them. Where a program's
+rows are small enough (`MAX_UNROLLED`) the loop is unrolled and every weight load issued at once,
+before the norm's reduction over the row. On an H200 the
 Ling-3.0-tiny KDA input projection ([1536, 10240], 31.5 MB) took 9.6 us per call this way against
 11.4 us for the tiled kernel and 9.8 us for XLA's read-only sum of the same bytes
 (`bench/gemv_layout.py`, BENCHMARKS.md).
@@ -33,6 +35,7 @@ MAX_BCH = 256  # columns of C per loop step
 MIN_BCH = 16
 NUM_WARPS = 4
 NUM_STAGES = 3
+MAX_UNROLLED = 32768  # BO x C up to this: every weight load issued first (unrolled), else a pipelined loop
 
 
 def _step(c: int) -> int | None:
@@ -60,7 +63,8 @@ def _kernel(idx_ref, x_ref, *refs, bch: int, eps: float | None):
         return pltriton.load(w_ref.at[idx_ref[0], rows, pl.ds(j * bch, bch)],
                              eviction_policy=expert_gemv.WEIGHT_EVICTION).astype(jnp.float32)
 
-    w0 = weight(0)  # issued before the norm's reduction over the row, to cover its latency
+    unrolled = BO * c <= MAX_UNROLLED
+    ws = [weight(j) for j in range(c // bch if unrolled else 1)]  # issued before the norm, to cover its latency
     inv = None
     if eps is not None:
         squares = [jnp.sum(jnp.square(x_ref[r, pl.ds(j * bch, bch)].astype(jnp.float32))) for j in range(c // bch)]
@@ -75,7 +79,10 @@ def _kernel(idx_ref, x_ref, *refs, bch: int, eps: float | None):
     def step(j: jax.Array, acc: jax.Array) -> jax.Array:
         return acc + jnp.sum(weight(j) * x_part(j)[None, :], axis=1)
 
-    acc = jax.lax.fori_loop(1, c // bch, step, jnp.sum(w0 * x_part(0)[None, :], axis=1))
+    parts = [jnp.sum(w * x_part(j)[None, :], axis=1) for j, w in enumerate(ws)]
+    acc = functools.reduce(jnp.add, parts)
+    if not unrolled:
+        acc = jax.lax.fori_loop(1, c // bch, step, acc)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 

@@ -10,6 +10,7 @@ import pytest
 from conftest import rel_l2
 
 from ling_jax.layers.norms import rms_norm
+from ling_jax.ops import row_gemv
 from ling_jax.ops.expert_gemv import NormedRows
 from ling_jax.ops.layer_gemv import RowStack, linear, linear_transposed
 from ling_jax.ops.row_gemv import supported, transposed_products
@@ -22,9 +23,12 @@ def _stack(rng, n, o, c, dtype):
 @pytest.mark.parametrize("r,c,o", [(1, 64, 16), (3, 96, 48), (2, 1536, 80)])  # C in 1, 3 (32-wide), 6 steps
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-6)])
 @pytest.mark.parametrize("traced", [False, True], ids=["constant_layer", "traced_layer"])
-def test_products_equal_the_layers_product(r, c, o, dtype, tol, traced):
+@pytest.mark.parametrize("unrolled", [True, False], ids=["loads_first", "pipelined_loop"])
+def test_products_equal_the_layers_product(r, c, o, dtype, tol, traced, unrolled, monkeypatch):
     """Rows of x times one layer of a [L, O, C] stack, transposed, in float32, at a constant layer index
-    (a numpy operand, as in the unrolled step) and a traced one; awkward C (steps of 32) and R."""
+    (a numpy operand, as in the unrolled step) and a traced one; awkward C (steps of 32) and R; C read
+    unrolled (every load first) and in the pipelined loop."""
+    monkeypatch.setattr(row_gemv, "MAX_UNROLLED", row_gemv.MAX_UNROLLED if unrolled else 0)
     rng = np.random.default_rng(c + o)
     x = jnp.asarray(rng.standard_normal((r, c)), dtype)
     w = _stack(rng, 3, o, c, dtype)
@@ -34,12 +38,13 @@ def test_products_equal_the_layers_product(r, c, o, dtype, tol, traced):
     assert got.dtype == jnp.float32 and got.shape == (r, o) and rel_l2(got, want) < tol
 
 
-@pytest.mark.parametrize("c", [96, 2048])
+@pytest.mark.parametrize("c", [96, 2048, 4096])  # 4096: over MAX_UNROLLED, the loop
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
     """x as `NormedRows`: every program RMS-norms the row itself (the norm weight read from its stack
     at a traced layer); the output, in x's dtype, equals the product of the rows normed in XLA
     (bf16: to an output rounding)."""
+    assert (row_gemv.BO * c <= row_gemv.MAX_UNROLLED) == (c < 4096)
     rng = np.random.default_rng(c)
     x = jnp.asarray(rng.standard_normal((2, c)) * 3.0 + 0.5, dtype)
     norm_LC = jnp.asarray(1.0 + 0.3 * rng.standard_normal((4, c)), dtype)
