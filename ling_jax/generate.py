@@ -119,16 +119,14 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
     return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
 
 
-def fuse_for_decode(cfg: LingConfig, params: Params, transposed: bool = False) -> Params:
+def fuse_for_decode(cfg: LingConfig, params: Params) -> Params:
     """`params` with the weights that multiply the same input also side by side in one matrix: each
     KDA layer's six input projections (`layers.kda.fuse_input_projections`) and each MLP's or shared
     expert's gate and up projections (`layers.mlp.fuse_gate_up`). A batch-1 Ling-3.0-tiny step then
     launches 18 products instead of 108 for the KDA inputs and 24 instead of 48 for the shared
     experts. Made inside the decode loop's jit, once per call (a second copy of those weights
-    meanwhile). `transposed`: the KDA input projections as [O, C] (`layers.kda.FUSED_INPUT_T`, what
-    the batch-1 step's `ops.row_gemv` reads). Unchanged under a multi-device mesh (the concatenation
-    would regather sharded columns); FP8-resident weights are left separate (it would dequantize
-    them)."""
+    meanwhile). Unchanged under a multi-device mesh (the concatenation would regather sharded
+    columns); FP8-resident weights are left separate (it would dequantize them)."""
     if multi_device(context_mesh()):
         return params
     new = jax.tree.map(lambda x: x, params, is_leaf=is_block_fp8)  # fresh containers: set_path below mutates
@@ -140,7 +138,7 @@ def fuse_for_decode(cfg: LingConfig, params: Params, transposed: bool = False) -
         if stack.mtp:
             continue
         if stack.mixer == "kda":
-            fuse((*stack.path, "attn"), functools.partial(fuse_input_projections, transposed=transposed))
+            fuse((*stack.path, "attn"), fuse_input_projections)
         if stack.ffn == "dense":
             fuse((*stack.path, "mlp"), fuse_gate_up)
         elif "shared_gate_proj" in get_path(new, (*stack.path, "mlp")):
@@ -166,8 +164,7 @@ def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Ar
     """
     b = logits_BV.shape[0]
     limit = jnp.int32(max_new) if n_new is None else jnp.minimum(n_new, max_new)
-    # the batch-1 unrolled step reads the KDA input projections through `ops.row_gemv` (`model.run_stack`)
-    params = fuse_for_decode(cfg, params, transposed=b == 1 and unroll_layers and cfg.pallas_decode("proj"))
+    params = fuse_for_decode(cfg, params)
 
     def cond(state):
         step, _, _, _, done = state

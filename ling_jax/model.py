@@ -21,7 +21,7 @@ import numpy as np
 
 from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import Ffn, LingConfig, Mixer
-from ling_jax.layers.kda import FUSED_CONV, FUSED_INPUT, FUSED_INPUT_T, kda_mixer
+from ling_jax.layers.kda import FUSED_CONV, FUSED_INPUT, kda_mixer
 from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
@@ -33,7 +33,7 @@ from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
 from ling_jax.ops.kda import decode_layer
 from ling_jax.ops.kda.decode_layer import KdaCacheStack
-from ling_jax.ops.layer_gemv import RowStack, WeightStack, normed
+from ling_jax.ops.layer_gemv import WeightStack, normed
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL
@@ -135,7 +135,6 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
              "g_proj", "dense"),
     "mlp": ("gate_up_proj", "down_proj"),
 }
-ROW_LEAVES = {"attn": (FUSED_INPUT_T,)}  # per-layer transposed [O, C] projections, taken as `RowStack`s
 KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
 NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
 
@@ -153,10 +152,9 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
-    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, the `ROW_LEAVES` as
-    `layer_gemv.RowStack`s, and the router (float32) and the `NORM_LEAVES` (any dtype) too. `kda`:
-    the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
-    `ops.kda.decode_layer`).
+    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
+    `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
+    KDA decode layer kernel, `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
@@ -188,10 +186,6 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
             for name in names:
                 if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype):
                     take(sub, name, WeightStack, False)
-        for sub, names in ROW_LEAVES.items():
-            for name in names:
-                if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype, transposed=True):
-                    take(sub, name, RowStack, False)
         router = subs.get("mlp", {}).get("router")  # float32: stackable in its own dtype
         if layer_gemv.stackable(router, lead, getattr(router, "dtype", None)):
             take("mlp", "router", WeightStack, False)

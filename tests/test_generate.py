@@ -15,7 +15,7 @@ from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_loop, decode_step, fuse_for_decode, generate, prefill
 from ling_jax.layers import kda as kda_layers
-from ling_jax.layers.kda import FUSED_INPUT, FUSED_INPUT_T
+from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.model import LINEAR_LEAVES
@@ -365,52 +365,6 @@ def test_batch1_moe_routes_from_its_stacks(monkeypatch):
     # the router matmul in the gemv kernel, on rows it RMS-norms itself (the post-attention norm)
     assert router == [(expert_gemv.NormedRows, (cfg.hidden_size, cfg.num_experts))] * n_moe
     assert seen == [((cfg.hidden_size // expert_gemv.MAX_BC, 1, cfg.num_experts), WeightStack)] * n_moe
-
-
-@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
-def test_batch1_kda_input_projection_reads_its_transposed_stack(monkeypatch):
-    """The batch-1 decode params (`fuse_for_decode(transposed=True)`, what `decode_loop` makes at one
-    row with the projection kernels) hold each KDA layer's fused input projection as [O, C], padded to
-    the row kernel's blocks with zeros. The unrolled pallas step reads it through `ops.row_gemv`, from
-    the whole segment stack, on the input-normed rows (`NormedRows`), once per KDA layer, and gives the
-    XLA step's logits and caches; at batch 2 the same params go through XLA's product. `decode_loop` at
-    batch 1 generates the XLA loop's greedy tokens with them."""
-    from ling_jax.ops import row_gemv
-
-    cfg = LingConfig.preset("debug", num_hidden_layers=6, num_experts=16)
-    params = init_params(cfg, seed=9)
-    plain, fused = fuse_for_decode(cfg, params), fuse_for_decode(cfg, params, transposed=True)
-    kda_paths = [(*st.path, "attn") for st in layer_stacks(cfg) if st.mixer == "kda" and not st.mtp]
-    for path in kda_paths:
-        a, w_CO = get_path(fused, path), get_path(plain, path)[FUSED_INPUT]
-        width = sum(a[n].shape[-1] for n in ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj"))
-        w_OC = a[FUSED_INPUT_T]
-        assert FUSED_INPUT not in a and w_OC.shape[-2] == -(-width // row_gemv.BO) * row_gemv.BO
-        np.testing.assert_array_equal(w_OC[..., :width, :], jnp.swapaxes(w_CO[..., :width], -1, -2))
-        assert not np.asarray(w_OC[..., width:, :]).any()
-    pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gather")
-    real, calls = row_gemv.transposed_products, []
-    monkeypatch.setattr(row_gemv, "transposed_products",
-                        lambda x, w, layer, **k: calls.append((type(x), w.shape[1:])) or real(x, w, layer, **k))
-    n_kda = sum(cfg.mixer_of(i) == "kda" for i in range(cfg.num_hidden_layers))
-    for b in (1, 2):
-        prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
-        cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
-        tok = jnp.arange(3, 3 + b, dtype=jnp.int32)
-        c_want, want = _step(cfg, params, cache, tok, True)
-        calls.clear()
-        c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
-        assert rel_l2(got, want) < 1e-5
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                                             rtol=1e-4, atol=1e-5), c_got, c_want)
-        assert calls == ([(expert_gemv.NormedRows, w_OC.shape[-2:])] * n_kda if b == 1 else [])
-    cache, logits = prefill(cfg, params, prompt[:1], jnp.array([7]), 12)
-    args = (logits, 3, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.asarray([-2], jnp.int32))
-    want_tokens = decode_loop(cfg, params, cache, *args)[0]
-    calls.clear()
-    cache, _ = prefill(cfg, params, prompt[:1], jnp.array([7]), 12)
-    np.testing.assert_array_equal(decode_loop(pallas, params, cache, *args)[0], want_tokens)
-    assert len(calls) == n_kda  # traced once: the loop's step
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases

@@ -18,7 +18,6 @@ import numpy as np
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
-from ling_jax.ops import row_gemv
 from ling_jax.ops.expert_gemv import NormedRows, dense
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
@@ -26,8 +25,7 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import linear, linear_transposed, pad_columns
-from ling_jax.ops.pallas_gpu import pad_axis
+from ling_jax.ops.layer_gemv import linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -121,7 +119,6 @@ def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
 
 
 FUSED_INPUT = "x_proj"  # the decode params' projections of the normed input side by side (`fuse_input_projections`)
-FUSED_INPUT_T = "x_proj_t"  # the same, transposed: [O, C] (`fuse_input_projections(transposed=True)`)
 FUSED_CONV = "qkv_conv"  # the decode params' q|k|v conv weights stacked [3P, W] (`fuse_input_projections`)
 
 
@@ -132,38 +129,27 @@ def _input_projections(p: dict[str, Any]) -> list[str]:
             "g_proj" if "g_proj" in p else "g_a_proj", "b_proj"]
 
 
-def fuse_input_projections(p: dict[str, Any], transposed: bool = False) -> dict[str, Any]:
+def fuse_input_projections(p: dict[str, Any]) -> dict[str, Any]:
     """A KDA layer's params (one layer's or stacked: concatenated along the last axis) plus
     `FUSED_INPUT`, every input projection side by side, so that a decode step reads them in one
     matrix-vector product instead of six launches of 1-12 MB each. For the decode loop, made once per
     call; it holds a second copy of those weights meanwhile. Unchanged where they are FP8-resident
     (the concatenation would dequantize them). Zero columns pad the width to the gemv kernel's tiles
     (`ops.layer_gemv.pad_columns`); `_decode_inputs` reads the projections by their own widths.
-    `transposed` (the batch-1 step with its kernels): `FUSED_INPUT_T` instead, the same matrix as
-    [.., O, C] padded to `ops.row_gemv`'s row blocks, the layout that kernel reads fastest.
     Also `FUSED_CONV`, the q, k and v conv weights as one [.., 3P, W] array (what the KDA decode
     layer kernel reads, `ops.kda.decode_layer`)."""
     ws = [p[n] for n in _input_projections(p)]
     if any(is_block_fp8(w) for w in ws):
         return p
-    w = jnp.concatenate(ws, axis=-1)
-    fused = {FUSED_INPUT_T: pad_axis(jnp.swapaxes(w, -1, -2), -2, row_gemv.BO)} if transposed else {
-        FUSED_INPUT: pad_columns(w)}
-    return {**p, **fused, FUSED_CONV: jnp.concatenate([p[f"{n}_conv"] for n in "qkv"], axis=-2)}
-
-
-def _fused_input(x: jax.Array | NormedRows, p: dict[str, Any]) -> jax.Array:
-    """The fused input projection of x [..., D] (`fuse_input_projections`, either layout)."""
-    if FUSED_INPUT_T in p:
-        return linear_transposed(x, p[FUSED_INPUT_T])
-    return linear(x, p[FUSED_INPUT])
+    return {**p, FUSED_INPUT: pad_columns(jnp.concatenate(ws, axis=-1)),
+            FUSED_CONV: jnp.concatenate([p[f"{n}_conv"] for n in "qkv"], axis=-2)}
 
 
 def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]:
     """(qkv [B, T, 3P], gate input f [B, T, HK], output gate z [B, T, HV], beta logits [B, T, H])
     from the fused input projection (`fuse_input_projections`)."""
     s = _input_starts(p)
-    y = _fused_input(x_BTD, p)
+    y = linear(x_BTD, p[FUSED_INPUT])
     q, k, v, f, z, b = (y[..., s[i]:s[i + 1]] for i in range(6))
     if "f_proj" not in p:
         f = linear(f, p["f_b_proj"])
@@ -188,7 +174,7 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
     with jax.named_scope("qkv"):
-        y_BO = _fused_input(x_B1D[:, 0], p)
+        y_BO = linear(x_B1D[:, 0], p[FUSED_INPUT])
         f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
         z_BX = y_BO[:, s[4]:s[5]] if "g_proj" in p else linear(y_BO[:, s[4]:s[5]], p["g_b_proj"])
     with jax.named_scope("recurrence"):
@@ -213,7 +199,7 @@ def kda_mixer(
     b, t, _ = x_BTD.shape
     h, dh, pw = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim
     dt = x_BTD.dtype
-    fused = (FUSED_INPUT in p or FUSED_INPUT_T in p) and t == 1
+    fused = FUSED_INPUT in p and t == 1
     with jax.named_scope("qkv"):
         if fused:  # decode params: every input projection in one product
             qkv_BT3P, f_BTX, z_BTX, b_BTH = _decode_inputs(p, x_BTD)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops import expert_gemv, row_gemv
+from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import NormedRows, dense
 
 
@@ -40,21 +40,6 @@ class WeightStack:
         return self.stack[self.layer]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RowStack:
-    """One layer's projection [C, O] kept transposed, [O, C], inside its segment's stack [L, O, C]
-    (a weight the decode loop transposes once per call, `layers.kda.fuse_input_projections`): `linear`
-    runs it through `ops.row_gemv`, which reads whole contiguous rows of C."""
-
-    stack: jax.Array  # [L, O, C]
-    layer: jax.Array  # int32 scalar, this layer's index in the stack
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.stack.shape[2], self.stack.shape[1])
-
-
 def pad_columns(w: jax.Array) -> jax.Array:
     """w [..., C, O] with zero columns appended up to a multiple of the kernel's widest output tile
     (`expert_gemv.MAX_BO`), for a weight built once per call that the caller slices by its own
@@ -65,12 +50,11 @@ def pad_columns(w: jax.Array) -> jax.Array:
     return w if pad == 0 else jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
 
 
-def stackable(w: object, lead: int, dtype: jnp.dtype, transposed: bool = False) -> bool:
+def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
     """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `linear` as a
-    `WeightStack`: a dense array of [C, O] matrices in the compute `dtype` that the kernel tiles
-    (`transposed`: of [O, C] matrices that `ops.row_gemv` reads, as a `RowStack`)."""
+    `WeightStack`: a dense array of [C, O] matrices in the compute `dtype` that the kernel tiles."""
     return (isinstance(w, jax.Array) and w.ndim == lead + 2 and w.dtype == dtype
-            and (row_gemv.supported(*w.shape[-2:][::-1]) if transposed else expert_gemv.supported(*w.shape[-2:])))
+            and expert_gemv.supported(*w.shape[-2:]))
 
 
 def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
@@ -82,30 +66,14 @@ def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | 
     return rms_norm(x, w, eps)
 
 
-def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack | RowStack) -> jax.Array:
+def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
     """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` runs the gemv
-    kernel over the rows of x, each reading the whole [C, O], a `RowStack` the transposed-weight
-    kernel (`ops.row_gemv`): meant for one row (the batch-1 decode step, where `model.run_stack`
-    makes them); an array runs XLA's product."""
-    if isinstance(w, RowStack):
-        c, o = w.shape
-        if x.shape[-1] != c:
-            raise ValueError(f"layer_gemv: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
-        y_RO = row_gemv.transposed_products(x.reshape(-1, c), w.stack, w.layer)
-        return y_RO.reshape(*x.shape[:-1], o)
+    kernel over the rows of x, each reading the whole [C, O]: meant for one row (the batch-1
+    decode step, where `model.run_stack` makes them); an array runs XLA's product."""
     if not isinstance(w, WeightStack):
         x = dense(x)
         return x @ w.astype(x.dtype)
     return expert_gemv.add_partials(partial_products(x, w)).astype(x.dtype)
-
-
-def linear_transposed(x: jax.Array | NormedRows, w_OC: jax.Array | RowStack) -> jax.Array:
-    """x [..., C] @ w_t [O, C].T in x's dtype, for a weight kept transposed: a `RowStack` through
-    `linear`, an array through XLA's product."""
-    if isinstance(w_OC, RowStack):
-        return linear(x, w_OC)
-    x = dense(x)
-    return x @ w_OC.astype(x.dtype).T
 
 
 def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:
