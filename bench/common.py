@@ -14,7 +14,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.device_profile import kernel_profile
 from ling_jax.checkpoint.export import is_quantizable
 from ling_jax.checkpoint.fp8 import FP8, BlockFP8
 from ling_jax.checkpoint.synthetic import LING_FP8_EXCLUSIONS
@@ -88,15 +88,12 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     Until 2026-12-03 this timed a bf16 `a * 2` pass by the wall clock: 2.3-2.9 TB/s on an H200, where
     the device-timed copy moves 4.26 TB/s and a read-only sum 4.65 TB/s (`bench/gemv_layout.py`,
     BENCHMARKS.md): the wall clock of one short call counts its dispatch and the clocks' ramp-up."""
-    from bench.device_profile import device_profile
-
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     f = jax.jit(jnp.copy)
-    t = median_time(lambda: f(x), reps=10, warmup=3)
-    with tempfile.TemporaryDirectory() as trace:
-        on_device = device_profile(lambda: f(x), trace, calls=3)["kernel_time_s_per_call"]
-    return 2 * x.nbytes / (on_device or t)
+    prof = kernel_profile(lambda: f(x))
+    t = prof["kernel_time_s_per_call"] if prof else median_time(lambda: f(x), reps=10, warmup=3)
+    return 2 * x.nbytes / t
 
 
 def matmul_rate(n: int = 8192) -> float:

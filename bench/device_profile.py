@@ -17,10 +17,12 @@ costs what.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import math
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -158,6 +160,17 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
                       "op_path": paths.get((pid, n), "?") if pid is not None else "?"}
                      for (n, s, e, pid), end in zip(last_call, ends, strict=True)],
     }
+
+
+def kernel_profile(fn: Callable[[], Any], logdir: str | None = None, calls: int = 3,
+                   warmup: int = 3) -> dict[str, Any] | None:
+    """`device_profile` of fn() after `warmup` calls (compile, clocks up), traced into `logdir`
+    (default a temporary directory), or None where the trace has no kernels (no device plane: CPU)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    with contextlib.ExitStack() as stack:
+        summary = device_profile(fn, logdir or stack.enter_context(tempfile.TemporaryDirectory()), calls=calls)
+    return summary if summary["kernels_per_call"] else None
 
 
 def print_profile(summary: dict[str, Any]) -> None:

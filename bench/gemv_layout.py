@@ -18,8 +18,9 @@ call's median / calls; with `--trace DIR` also the kernels' device time per inst
   xla       XLA's x @ w, and x @ w_t.T on the transposed weight
   read      XLA's float32 sum of w: a read-only stream of the same bytes, the ceiling
 
-and the copy bandwidth the decode benchmark's floor uses (`bench.common.copy_bandwidth`, a 2 GiB
-bf16 `a * 2`) against the same pass with the input donated and a 2 GiB read-only sum.
+and the copy bandwidth the decode benchmark's floor uses (`bench.common.copy_bandwidth`, XLA's copy
+of 2 GiB timed on the device) against a bf16 `a * 2` pass (what that floor used until 2026-12-03),
+the same pass donated, the copy and a read-only sum, each by wall clock and device time.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
-from bench.device_profile import device_profile
+from bench.device_profile import kernel_profile
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.pallas_gpu import call_options, whole
 
@@ -76,10 +77,8 @@ def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int, logdir: st
     """us per instance: wall (median of reps) and, with a trace dir, device kernel time (3 traced calls)."""
     f = jax.jit(lambda *a: [fn(*xs) for xs in zip(*a, strict=True)])
     out = {"wall_us": median_time(lambda: f(*args), reps=reps, warmup=3) / calls * 1e6}
-    if logdir:
-        prof = device_profile(lambda: f(*args), logdir, calls=3)
-        if not prof["kernel_time_s_per_call"]:  # no device plane off GPU
-            return out
+    prof = kernel_profile(lambda: f(*args), logdir) if logdir else None
+    if prof:
         out["device_us"] = prof["kernel_time_s_per_call"] / calls * 1e6
         out["kernels_per_instance"] = prof["kernels_per_call"] / calls
     return out
@@ -93,6 +92,7 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
     wts = [w.T.copy() for w in ws]
     idx = jnp.zeros((1,), jnp.int32)
     ref = xs[0].astype(jnp.float32) @ ws[0].astype(jnp.float32)
+
     def cols(x: jax.Array, w: jax.Array) -> jax.Array:
         return expert_gemv.gathered_products(x[None], idx, (w[None],), interpret=interpret)[0][0]
 
@@ -122,8 +122,8 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
 
 
 def copy_rates(gib: float, logdir: str | None) -> dict[str, float]:
-    """GB/s of: the decode floor's copy bandwidth (`bench.common.copy_bandwidth`, wall clock), then by
-    wall clock and (with a trace dir) device time, a bf16 `a * 2` pass, the same with the input
+    """GB/s of: the decode floor's copy bandwidth (`bench.common.copy_bandwidth`), then by wall clock
+    and (with a trace dir) device time, a bf16 `a * 2` pass, the same with the input
     donated, XLA's copy of the array (read + write) and a float32 sum of it (read only)."""
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
@@ -140,11 +140,9 @@ def copy_rates(gib: float, logdir: str | None) -> dict[str, float]:
     for name, (fn, touches) in passes.items():
         call = fn if name.startswith("donated") else functools.partial(fn, x)
         out[f"{name}_wall"] = touches * x.nbytes / median_time(call, reps=10, warmup=3) / 1e9
-        if logdir:
-            jax.block_until_ready(call())
-            prof = device_profile(call, f"{logdir}/copy_{name}", calls=3)
-            if prof["kernel_time_s_per_call"]:  # no device plane off GPU
-                out[f"{name}_device"] = touches * x.nbytes / prof["kernel_time_s_per_call"] / 1e9
+        prof = kernel_profile(call, f"{logdir}/copy_{name}") if logdir else None
+        if prof:
+            out[f"{name}_device"] = touches * x.nbytes / prof["kernel_time_s_per_call"] / 1e9
     return out
 
 
