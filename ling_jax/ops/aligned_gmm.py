@@ -187,7 +187,7 @@ def tile_layout(group_sizes_G: jax.Array, num_tiles: int, tile_m: int = TILES.m)
     end_G = jnp.cumsum(tiles_G)
     t_T = jnp.arange(num_tiles, dtype=end_G.dtype)
     # every tile against every group end at once: the default ("scan") is a while loop of log2(G)
-    # steps, which on a GPU waits on the host at every step (H200, batch-16 decode: ~90 us per MoE layer)
+    # steps, each waiting on the host on a GPU (H200, batch-16 decode: 8.59 -> 7.92 ms per step)
     group_T = jnp.searchsorted(end_G, t_T, side="right", method="compare_all").astype(jnp.int32)
     return (end_G - tiles_G).astype(jnp.int32), jnp.where(t_T < end_G[-1], group_T, -1)
 
