@@ -79,8 +79,11 @@ def test_aligned_matmul_rejects_bad_operands():
     with pytest.raises(ValueError, match="store window"):
         aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
                                    tiles=aligned_gmm.Tiles(epi_n=48))
-    if jax.default_backend() != "cpu":  # the GPU has SMs: nothing to reject
-        return
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a GPU has SMs: there is nothing to reject")
+def test_aligned_matmul_compiled_for_a_cpu_is_rejected():
+    x = jnp.ones((2 * TM, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="SM count"):  # compiled for a device (a CPU) that has no SMs
         aligned_gmm.aligned_matmul(x, jnp.ones((2, 64, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32), interpret=False)
 
