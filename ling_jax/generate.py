@@ -20,7 +20,8 @@ import numpy as np
 from ling_jax.cache import Cache, cache_length, place
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
-from ling_jax.layers.kda import fuse_input_projections, kda_mixer
+from ling_jax.layers import kda, mla
+from ling_jax.layers.kda import kda_mixer
 from ling_jax.layers.mla import mla_decode
 from ling_jax.layers.mlp import fuse_gate_up
 from ling_jax.layers.norms import rms_norm
@@ -121,9 +122,10 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
 
 def fuse_for_decode(cfg: LingConfig, params: Params) -> Params:
     """`params` with the weights that multiply the same input also side by side in one matrix: each
-    KDA layer's six input projections (`layers.kda.fuse_input_projections`) and each MLP's or shared
-    expert's gate and up projections (`layers.mlp.fuse_gate_up`). A batch-1 Ling-3.0-tiny step then
-    launches 18 products instead of 108 for the KDA inputs and 24 instead of 48 for the shared
+    KDA layer's six input projections (`layers.kda.fuse_input_projections`), each MLA layer's three
+    (`layers.mla.fuse_input_projections`) and each MLP's or shared expert's gate and up projections
+    (`layers.mlp.fuse_gate_up`). A batch-1 Ling-3.0-tiny step then launches 18 products instead of
+    108 for the KDA inputs, 6 instead of 18 for the MLA inputs and 24 instead of 48 for the shared
     experts. Made inside the decode loop's jit, once per call (a second copy of those weights
     meanwhile). Unchanged under a multi-device mesh (the concatenation would regather sharded
     columns); FP8-resident weights are left separate (it would dequantize them)."""
@@ -137,8 +139,7 @@ def fuse_for_decode(cfg: LingConfig, params: Params) -> Params:
     for stack in layer_stacks(cfg):
         if stack.mtp:
             continue
-        if stack.mixer == "kda":
-            fuse((*stack.path, "attn"), fuse_input_projections)
+        fuse((*stack.path, "attn"), (kda if stack.mixer == "kda" else mla).fuse_input_projections)
         if stack.ffn == "dense":
             fuse((*stack.path, "mlp"), fuse_gate_up)
         elif "shared_gate_proj" in get_path(new, (*stack.path, "mlp")):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import Ffn, LingConfig, Mixer
-from ling_jax.layers.kda import FUSED_CONV, FUSED_INPUT, kda_mixer
+from ling_jax.layers.kda import FUSED_CONV, kda_mixer
 from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
@@ -33,7 +33,7 @@ from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
 from ling_jax.ops.kda import decode_layer
 from ling_jax.ops.kda.decode_layer import KdaCacheStack
-from ling_jax.ops.layer_gemv import WeightStack, normed
+from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, normed
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL

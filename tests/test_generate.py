@@ -15,13 +15,12 @@ from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_loop, decode_step, fuse_for_decode, generate, prefill
 from ling_jax.layers import kda as kda_layers
-from ling_jax.layers.kda import FUSED_INPUT
 from ling_jax.layers.mla import mla_decode, mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.model import LINEAR_LEAVES
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.attention import attention_mask
-from ling_jax.ops.layer_gemv import stackable
+from ling_jax.ops.layer_gemv import FUSED_INPUT, stackable
 from ling_jax.params import get_path, init_params, layer_params, layer_stacks
 
 _step = jax.jit(decode_step, static_argnums=(0, 4))
@@ -62,19 +61,22 @@ def debug_model():
 @pytest.mark.parametrize("lora", [False, True], ids=["full_rank_gates", "low_rank_gates"])
 def test_fused_decode_projections(lora, monkeypatch):
     """The decode loop's params (`fuse_for_decode`: each KDA layer's six input projections side by
-    side, low-rank gates through their second factor; each MLP's and shared expert's gate and up)
-    give the same step as the separate weights. With low-rank gates, also through the KDA
+    side, low-rank gates through their second factor; each MLA layer's three; each MLP's and shared
+    expert's gate and up) give the same step as the separate weights. With low-rank gates, also through the KDA
     decode layer (decode_impl "pallas", batch 2; batch 1: `test_batch1_projections_read_from_their_stacks`)."""
     cfg = LingConfig.preset("debug", no_kda_lora=not lora)
     params = init_params(cfg, seed=5)
     fused = fuse_for_decode(cfg, params)
-    kda_attn = [get_path(fused, (*st.path, "attn")) for st in layer_stacks(cfg) if st.mixer == "kda" and not st.mtp]
-    assert kda_attn and all(FUSED_INPUT in a for a in kda_attn)
-    assert ("f_a_proj" in kda_attn[0]) == lora
+    attn = {(st.mixer, st.path): get_path(fused, (*st.path, "attn")) for st in layer_stacks(cfg) if not st.mtp}
+    assert {m for m, _ in attn} == {"kda", "mla"} and all(FUSED_INPUT in a for a in attn.values())
     gates = ("f_a_proj", "g_a_proj") if lora else ("f_proj", "g_proj")
-    for a in kda_attn:  # side by side, then zero columns up to the gemv kernel's widest tile
-        width = sum(a[n].shape[-1] for n in ("q_proj", "k_proj", "v_proj", *gates, "b_proj"))
+    for (mixer, _), a in attn.items():  # side by side, then zero columns up to the gemv kernel's widest tile
+        assert mixer == "mla" or ("f_a_proj" in a) == lora
+        names = ("q_proj", "k_proj", "v_proj", *gates, "b_proj") if mixer == "kda" else (
+            "q_proj" if "q_proj" in a else "q_a_proj", "kv_a_proj", "g_proj")
+        width = sum(a[n].shape[-1] for n in names)
         assert a[FUSED_INPUT].shape[-1] == -(-width // expert_gemv.MAX_BO) * expert_gemv.MAX_BO
+        np.testing.assert_array_equal(a[FUSED_INPUT][..., width - a[names[-1]].shape[-1]:width], a[names[-1]])
         assert not np.asarray(a[FUSED_INPUT][..., width:]).any()
     mlps = [get_path(fused, (*st.path, "mlp")) for st in layer_stacks(cfg) if not st.mtp]
     assert all("gate_up_proj" in m or "shared_gate_up_proj" in m for m in mlps)
@@ -370,7 +372,7 @@ def test_batch1_moe_routes_from_its_stacks(monkeypatch):
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
 def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
-    MLA q_a/q_b/kv_a/g/dense, the dense MLP, the MoE router) through the gemv kernel on its whole
+    the fused MLA input (q_a|kv_a|g), q_b, dense, the dense MLP, the MoE router) through the gemv kernel on its whole
     segment stack (`ops.layer_gemv`), with every layer's two RMSNorms applied by the kernels that read
     the normed rows (`expert_gemv.NormedRows`), and gives the XLA step's logits and caches; at batch 2
     it does not."""
@@ -402,8 +404,7 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
         readers = 0  # the kernel's projections of a layer's input-normed and post-attention-normed rows
         for i in range(cfg.num_hidden_layers):
             lp = layer_params(cfg, fused, i)
-            mla = cfg.mixer_of(i) == "mla"
-            ws = [lp["attn"].get(n) for n in (("q_proj", "q_a_proj", "kv_a_proj", "g_proj") if mla else (FUSED_INPUT,))]
+            ws = [lp["attn"][FUSED_INPUT]]  # the KDA and MLA layers' fused input projections
             ws.append(lp["mlp"]["router" if cfg.ffn_of(i) == "moe" else "gate_up_proj"])
             readers += sum(w is not None and stackable(w, 0, w.dtype) for w in ws)
         assert readers >= 2 * cfg.num_hidden_layers
@@ -412,8 +413,10 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
         for seg, sp in zip(cfg.segments, fused["segments"], strict=True):
             parts = [(sp, 1)] if seg.kind == "run" else [(sp["kda"], 2), (sp["mla"], 1)]
             for tree, lead in parts:
+                # the projections the fused input holds are not read on their own
+                fused_in = {"q_proj", "q_a_proj", "kv_a_proj", "g_proj"} if FUSED_INPUT in tree["attn"] else set()
                 for sub, names in LINEAR_LEAVES.items():
-                    for name in names:
+                    for name in set(names) - fused_in:
                         w = tree[sub].get(name)
                         if stackable(w, lead, params["embed"].dtype):
                             want_shapes.add((int(np.prod(w.shape[:lead])), *w.shape[lead:]))

@@ -25,7 +25,7 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import linear, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -118,7 +118,6 @@ def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
     return linear(linear(x, p[f"{name}_a_proj"]), p[f"{name}_b_proj"])
 
 
-FUSED_INPUT = "x_proj"  # the decode params' projections of the normed input side by side (`fuse_input_projections`)
 FUSED_CONV = "qkv_conv"  # the decode params' q|k|v conv weights stacked [3P, W] (`fuse_input_projections`)
 
 

@@ -22,6 +22,8 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import NormedRows, dense
 
+FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
