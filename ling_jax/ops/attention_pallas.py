@@ -244,9 +244,10 @@ def _whole_stat(t: int) -> pl.BlockSpec:
 
 def _visibility(doc_q: jax.Array, doc_k: jax.Array) -> tuple[jax.Array, ...]:
     """(doc_q, doc_k, start, end) int32 [B, T]: with each token's first index of its document and one
-    past its last (doc_q sorted), which bound the kernels' block loops."""
-    start = jax.vmap(lambda d: jnp.searchsorted(d, d, side="left"))(doc_q).astype(jnp.int32)
-    end = jax.vmap(lambda d: jnp.searchsorted(d, d, side="right"))(doc_q).astype(jnp.int32)
+    past its last (doc_q sorted), which bound the kernels' block loops. The binary search unrolled:
+    `searchsorted`'s default is a while loop, and on a GPU each of its log2(T) steps waits on the host."""
+    start = jax.vmap(lambda d: jnp.searchsorted(d, d, side="left", method="scan_unrolled"))(doc_q).astype(jnp.int32)
+    end = jax.vmap(lambda d: jnp.searchsorted(d, d, side="right", method="scan_unrolled"))(doc_q).astype(jnp.int32)
     return doc_q, doc_k, start, end
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ling_jax.ops.attention import attention, attention_mask
-from ling_jax.ops.attention_pallas import Blocks, documents, mla_attention_pallas
+from ling_jax.ops.attention_pallas import Blocks, _visibility, documents, mla_attention_pallas
 from tests.conftest import rel_l2
 
 SMALL = Blocks(bq=16, bk=16, bq_dkv=16, bk_dkv=16, bq_dq=16, bk_dq=16)
@@ -146,3 +146,19 @@ def test_triton_lowering(h200_lowering):
                          sd((b, t, 64), bf), sd((b, t, h, 128), bf), sd((b, t), jnp.int32))
     for name in ("mla_attention_fwd", "mla_attention_dkv", "mla_attention_dq"):
         assert name in mlir
+
+
+def test_document_bounds():
+    """`_visibility`'s start and end of each token's document (sorted document numbers per row, with
+    pads after the last document) equal a direct scan, and lower without a while loop (on a GPU each
+    step of one waits on the host)."""
+    rng = np.random.default_rng(3)
+    doc_BT = np.sort(rng.integers(0, 9, (3, 257)), axis=1).astype(np.int32)
+    doc_BT[2] = 4  # one document over the whole row
+    _, _, start, end = _visibility(jnp.asarray(doc_BT), jnp.asarray(doc_BT))
+    for b, row in enumerate(doc_BT):
+        want_start = [int(np.flatnonzero(row == d)[0]) for d in row]
+        want_end = [int(np.flatnonzero(row == d)[-1]) + 1 for d in row]
+        np.testing.assert_array_equal(start[b], want_start)
+        np.testing.assert_array_equal(end[b], want_end)
+    assert "while" not in jax.jit(_visibility).lower(jnp.asarray(doc_BT), jnp.asarray(doc_BT)).as_text()
