@@ -18,14 +18,14 @@ import numpy as np
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
-from ling_jax.ops.expert_gemv import NormedRows, add_partials, dense
+from ling_jax.ops.expert_gemv import NormedRows, dense
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, linear, pad_columns, partial_products
+from ling_jax.ops.layer_gemv import FUSED_INPUT, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -173,16 +173,11 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
     with jax.named_scope("qkv"):
-        w = p[FUSED_INPUT]
-        if isinstance(w, WeightStack):  # the gemv's partial sums: the kernel adds those it reads (`Inputs`)
-            src = partial_products(x_B1D[:, 0], w)
-            y_BO = add_partials(src).astype(x_B1D.dtype)  # read here only for z (and a low-rank f): fused there
-        else:
-            src = y_BO = linear(x_B1D[:, 0], w)
-        f = (src, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
+        y_BO = linear(x_B1D[:, 0], p[FUSED_INPUT])
+        f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
         z_BX = y_BO[:, s[4]:s[5]] if "g_proj" in p else linear(y_BO[:, s[4]:s[5]], p["g_b_proj"])
     with jax.named_scope("recurrence"):
-        o_BHV, new = kda_decode_layer(Inputs(qkv=(src, 0), f=f, b=(src, s[5])), cache, p[FUSED_CONV],
+        o_BHV, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
                                       p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
     o_BHV = gated_rms_norm(o_BHV, z_BX.reshape(b, h, dh), p["o_norm"], cfg.rms_norm_eps)
     return linear(o_BHV.reshape(b, h * dh), p["o_proj"])[:, None], new

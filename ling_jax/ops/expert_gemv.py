@@ -95,12 +95,7 @@ def add_partials(parts_S: jax.Array) -> jax.Array:
     slices it is a loop fusion that takes them in."""
     if parts_S.shape[0] > MAX_ADDED_PARTIALS:
         return parts_S.sum(0)
-    return tree_sum([parts_S[i] for i in range(parts_S.shape[0])])
-
-
-def tree_sum(parts: list[jax.Array]) -> jax.Array:
-    """The sum of `parts` added pairwise, in the order `add_partials` adds them (a kernel that adds
-    the partial sums itself, `ops.kda.decode_layer`, gets the same bits)."""
+    parts = [parts_S[i] for i in range(parts_S.shape[0])]
     while len(parts) > 1:
         parts = [a + b for a, b in zip(parts[::2], parts[1::2], strict=False)] + parts[len(parts) // 2 * 2:]
     return parts[0]

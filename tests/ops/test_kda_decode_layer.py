@@ -10,7 +10,6 @@ import pytest
 from conftest import rel_l2
 
 from ling_jax.layers.kda import short_conv
-from ling_jax.ops.expert_gemv import add_partials
 from ling_jax.ops.kda.decode import kda_decode_step
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer, supported
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
@@ -82,29 +81,6 @@ def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
     np.testing.assert_array_equal(np.asarray(new.conv, np.float32), np.asarray(c["conv"], np.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_reads_the_projections_partial_sums(dtype):
-    """Inputs as the gemv's float32 partial sums [S, B, O] (5 of them: an odd tree): the kernel adds
-    what it reads in `add_partials`' order and rounds to the activation dtype, so its outputs equal
-    those from the summed projection rounded as `layer_gemv.linear` does, bit for bit."""
-    b, h, d = 2, 2, 16
-    c = _case(5, b, h, d, dtype)
-    p = h * d
-    parts = jnp.asarray(np.random.default_rng(6).standard_normal((5, *c["y"].shape)), jnp.float32)
-    cache = KdaCacheStack(c["state"], c["conv"], jnp.int32(LAYER))
-    ws = [c[n][LAYER] for n in ("conv_w", "a_log", "dt_bias")]
-
-    def run(y):
-        return kda_decode_layer(Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p)), cache, *ws, lower_bound=-5.0)
-
-    got, want = run(parts), run(add_partials(parts).astype(dtype))
-    assert got[0].dtype == dtype
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    with pytest.raises(ValueError, match="partial sums"):
-        run(parts.astype(dtype)[..., None])
-
-
 def test_bad_shapes_raise():
     c = _case(0, 1, 2, 16, jnp.float32)
     y = c["y"]
@@ -133,14 +109,4 @@ def test_triton_lowering(h200_lowering):
     bf = jnp.bfloat16
     mlir = h200_lowering(fn, sd((1, 5 * p + 128), bf), sd((18, 1, h, d, d), jnp.float32), sd((18, 1, 3, 3 * p), bf),
                          sd((18, 3 * p, 4), bf), sd((18, h), jnp.float32), sd((18, p), jnp.float32))
-    assert "triton" in mlir
-
-    def from_partials(parts, state, conv, conv_w, a_log, dt_bias):  # the gemv's 24 partial sums, float32
-        inputs = Inputs(qkv=(parts, 0), f=(parts, 3 * p), b=(parts, 5 * p))
-        return kda_decode_layer(inputs, KdaCacheStack(state, conv, np.int32(2)), *(WeightStack(a, np.int32(2)) for a in
-                                (conv_w, a_log, dt_bias)), lower_bound=-5.0, interpret=False)
-
-    mlir = h200_lowering(from_partials, sd((24, 1, 5 * p + 128), jnp.float32), sd((18, 1, h, d, d), jnp.float32),
-                         sd((18, 1, 3, 3 * p), bf), sd((18, 3 * p, 4), bf), sd((18, h), jnp.float32),
-                         sd((18, p), jnp.float32))
     assert "triton" in mlir

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.expert_gemv import tree_sum
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, index_operand, is_pow2, whole
@@ -55,11 +54,7 @@ class KdaCacheStack:
 @dataclasses.dataclass(frozen=True)
 class Inputs:
     """Where the layer's projected inputs are: each an (array [B, O], first column) pair; arrays may
-    repeat (the fused input projection holds q|k|v, the gate input f and the beta logits side by side).
-    An array may also be the gemv kernel's float32 partial sums [S, B, O] of the projection
-    (`layer_gemv.partial_products`): the kernel adds the values it reads (`expert_gemv.tree_sum`, the
-    order of `add_partials`) and rounds them to the activation dtype, as `layer_gemv.linear` would,
-    so that the projection's sum is no launch of its own."""
+    repeat (the fused input projection holds q|k|v, the gate input f and the beta logits side by side)."""
 
     qkv: tuple[jax.Array, int]  # q, k, v of P = H * K channels each, contiguous
     f: tuple[jax.Array, int]  # [H * K]
@@ -89,17 +84,10 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     (sq, oq), (sf, of), (sb, ob) = roles
     dtype = o_ref.dtype
 
-    def read(src: int, cols: pl.Slice | int) -> jax.Array:
-        """Row b's values at `cols` of input array `src`, in the activation dtype (partial sums added)."""
-        ref = srcs[src]
-        if len(ref.shape) == 2:
-            return ref[b, cols]
-        return tree_sum([ref[i, b, cols] for i in range(ref.shape[0])]).astype(dtype)
-
     def conv_silu(c: int | jax.Array, n: int, keep: bool | jax.Array) -> jax.Array:
         """silu(conv) of q|k|v channels [c, c + n) in the activation dtype; where `keep`, their new window."""
         taps = [win_ref[lc, b, t, pl.ds(c, n)] for t in range(width - 1)]
-        taps.append(read(sq, pl.ds(oq + c, n)).astype(win_ref.dtype))
+        taps.append(srcs[sq][b, pl.ds(oq + c, n)].astype(win_ref.dtype))
         acc = jnp.zeros((n,), f32)
         for t, tap in enumerate(taps):
             acc = acc + tap.astype(f32) * conv_w_ref[lw, pl.ds(c, n), t].astype(f32)
@@ -114,9 +102,9 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     q_K = l2_normalize(conv_silu(h * dk, dk, j == 0)) * scale  # every program of the head: the same q, k
     k_K = l2_normalize(conv_silu(p + h * dk, dk, j == 0))
     v_V = conv_silu(2 * p + h * dv + j * bv, bv, True).astype(f32)
-    x_K = read(sf, pl.ds(of + h * dk, dk)).astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
+    x_K = srcs[sf][b, pl.ds(of + h * dk, dk)].astype(f32) + dt_ref[ld, pl.ds(h * dk, dk)].astype(f32)
     g_K = log_decay(x_K, jnp.exp(a_log_ref[la, h].astype(f32)), lower_bound)
-    beta = jax.nn.sigmoid(read(sb, ob + h).astype(f32))
+    beta = jax.nn.sigmoid(srcs[sb][b, ob + h].astype(f32))
     cols = pl.ds(j * bv, bv)
     s_KV = state_ref[lc, b, h, :, cols] * jnp.exp(g_K)[:, None]
     u_V = beta * (v_V - jnp.sum(k_K[:, None] * s_KV, axis=0))
@@ -142,7 +130,7 @@ def kda_decode_layer(
     bsz, h, dk, dv = cache.state.shape[1:5]
     w = cache.conv.shape[2] + 1
     p = h * dk
-    dtype = cache.conv.dtype  # the activation dtype
+    dtype = inputs.qkv[0].dtype
     if not supported(dk, dv, w) or dk != dv:
         raise ValueError(f"kda_decode_layer: K={dk}, V={dv} (powers of two >= 16, equal) and conv width {w} (>= 2)")
     if cache.state.dtype != jnp.float32 or cache.conv.shape[1:] != (bsz, w - 1, 3 * p):
@@ -150,10 +138,8 @@ def kda_decode_layer(
                          f"{cache.conv.shape} must be [L, {bsz}, {w - 1}, {3 * p}]")
     roles = (inputs.qkv, inputs.f, inputs.b)
     for (a, col), n in zip(roles, (3 * p, p, h), strict=True):
-        partials = a.ndim == 3 and a.dtype == jnp.float32
-        if (a.ndim != 2 and not partials) or a.shape[-2] != bsz or col + n > a.shape[-1]:
-            raise ValueError(f"kda_decode_layer: an input {a.dtype}{list(a.shape)} at column {col} must give {bsz} "
-                             f"rows of {n} ([B, O], or [S, B, O] float32 partial sums)")
+        if a.shape[0] != bsz or a.ndim != 2 or col + n > a.shape[1]:
+            raise ValueError(f"kda_decode_layer: an input [{a.shape}] at column {col} must give {bsz} rows of {n}")
     arrays = list({id(a): a for a, _ in roles}.values())
     slot = {id(a): i for i, a in enumerate(arrays)}
     stacks = [_stack(x) for x in (conv_w, a_log, dt_bias)]
