@@ -19,7 +19,6 @@ from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
-from ling_jax.ops import latent_attention_pallas as lap
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import ValueProjection, latent_attention_pallas
@@ -191,8 +190,7 @@ def mla_decode(
     q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
     kv_b = p["kv_b_proj"]
     with jax.named_scope("latent_attention"):
-        if (isinstance(latent_BSW, LatentStack) and isinstance(kv_b, WeightStack)  # W_UV in the kernel too
-                and x_BD.shape[0] <= lap.MERGE_MAX_ROWS):
+        if isinstance(latent_BSW, LatentStack) and isinstance(kv_b, WeightStack):  # W_UV in the kernel too
             o_BHV = latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer,
                                             rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5,
                                             up=ValueProjection(kv_b.stack, kv_b.layer, dn))

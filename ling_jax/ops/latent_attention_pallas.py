@@ -41,7 +41,6 @@ MERGE_BV = 128  # value columns per program of the merge + W_UV kernel
 MERGE_ELEMS = 2048  # float32 values of a head's split partials it loads at once (splits x latent columns)
 MERGE_BR = 64  # latent rows of W_UV per loop step (at most)
 MERGE_WARPS = 4
-MERGE_MAX_ROWS = 16  # the largest batch at which `layers.mla.mla_decode` runs the merge + W_UV kernel
 
 
 def supported(rank: int, rope: int, slots: int) -> bool:
