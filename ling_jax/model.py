@@ -137,7 +137,6 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
 }
 KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
 NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
-ATTN_NORM_LEAVES = ("q_a_norm",)  # the same inside the mixer: MLA's low-rank query norm, applied by q_b_proj's
 
 
 def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
@@ -153,8 +152,8 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
-    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32), the
-    `NORM_LEAVES` and `ATTN_NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
+    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
+    `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
     KDA decode layer kernel, `ops.kda.decode_layer`). `latent`: an MLA layer's kv_b_proj (any dtype)
     as a `WeightStack` too (the latent attention kernel reads W_UV from it, `ops.latent_attention_pallas`).
     """
@@ -194,10 +193,6 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
         for name in NORM_LEAVES:
             if isinstance(t.get(name), jax.Array) and t[name].ndim == lead + 1:
                 take("", name, WeightStack, False)
-        for name in ATTN_NORM_LEAVES:
-            w = subs.get("attn", {}).get(name)
-            if isinstance(w, jax.Array) and w.ndim == lead + 1:
-                take("attn", name, WeightStack, False)
     if kda:
         for name in KDA_LEAVES:
             take("attn", name, WeightStack, False)

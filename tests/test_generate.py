@@ -408,16 +408,13 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
             assert not calls
             continue
         readers = 0  # the kernel's projections of a layer's input-normed and post-attention-normed rows
-        q_b = 0  # and of MLA's low-rank query, normed by q_a_norm
         for i in range(cfg.num_hidden_layers):
             lp = layer_params(cfg, fused, i)
             ws = [lp["attn"][FUSED_INPUT]]  # the KDA and MLA layers' fused input projections
             ws.append(lp["mlp"]["router" if cfg.ffn_of(i) == "moe" else "gate_up_proj"])
             readers += sum(w is not None and stackable(w, 0, w.dtype) for w in ws)
-            q_b += "q_a_norm" in lp["attn"] and stackable(lp["attn"]["q_b_proj"], 0, lp["attn"]["q_b_proj"].dtype)
-        assert readers >= 2 * cfg.num_hidden_layers and q_b
-        widths = [(1, cfg.hidden_size)] * readers + [(1, cfg.q_lora_rank)] * q_b
-        assert sorted(r for r, _ in normed) == sorted(widths) and all(w[1:] == r[1:] for r, w in normed)
+        assert readers >= 2 * cfg.num_hidden_layers
+        assert len(normed) == readers and all(r == (1, cfg.hidden_size) and w[1:] == r[1:] for r, w in normed)
         want_shapes = set()  # every stackable projection of the decode params, by [C, O] and stack size
         for seg, sp in zip(cfg.segments, fused["segments"], strict=True):
             parts = [(sp, 1)] if seg.kind == "run" else [(sp["kda"], 2), (sp["mla"], 1)]

@@ -22,7 +22,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import ValueProjection, latent_attention_pallas
-from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, linear, normed, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, linear, pad_columns
 from ling_jax.ops.mla_decode import LatentStack, latent_attention
 from ling_jax.sharding import per_shard
 
@@ -59,9 +59,8 @@ def _projected_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, j
 
 def mla_query(p: dict[str, Any], q_in: jax.Array, cfg: LingConfig) -> jax.Array:
     """[B, T, H, qk_head_dim] query (nope dims first, rope dims last), before RoPE, from the input's
-    product with q_proj (or with q_a_proj, then normed and up-projected by q_b_proj here: with the
-    norm weight as a `WeightStack`, the batch-1 decode step, the gemv kernel applies the norm)."""
-    q = q_in if "q_proj" in p else linear(normed(q_in, p["q_a_norm"], LATENT_NORM_EPS), p["q_b_proj"])
+    product with q_proj (or with q_a_proj, then normed and up-projected by q_b_proj here)."""
+    q = q_in if "q_proj" in p else linear(rms_norm(q_in, p["q_a_norm"], LATENT_NORM_EPS), p["q_b_proj"])
     return q.reshape(*q.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
 
 
