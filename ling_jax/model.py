@@ -140,7 +140,7 @@ NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels appl
 
 
 def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
-                  kda: bool = False, latent: bool = False) -> tuple[Params | None, Stacks]:
+                  kda: bool = False) -> tuple[Params | None, Stacks]:
     """Takes weight stacks out of layer-stacked params `t` (`lead` stack axes), for kernels that read a
     layer in place (XLA copies a sliced stack passed to a custom call).
 
@@ -154,10 +154,9 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
     `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
     `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
-    KDA decode layer kernel, `ops.kda.decode_layer`). `latent`: an MLA layer's kv_b_proj (any dtype)
-    as a `WeightStack` too (the latent attention kernel reads W_UV from it, `ops.latent_attention_pallas`).
+    KDA decode layer kernel, `ops.kda.decode_layer`).
     """
-    if t is None or not (experts or linears or kda or latent):
+    if t is None or not (experts or linears or kda):
         return t, {}
     subs = {k: dict(v) for k, v in t.items() if k in ("attn", "mlp")}
     subs[""] = {}  # taken leaves of the layer's top level
@@ -196,9 +195,6 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     if kda:
         for name in KDA_LEAVES:
             take("attn", name, WeightStack, False)
-    kv_b = subs.get("attn", {}).get("kv_b_proj")
-    if latent and isinstance(kv_b, jax.Array) and kv_b.ndim == lead + 2:
-        take("attn", "kv_b_proj", WeightStack, False)
     top = subs.pop("")
     return {**t, **subs, **top}, stacks
 
@@ -282,7 +278,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         first = seg.first_layer
         if seg.kind == "run":
             kda = seg.mixer == "kda" and _kda_views(cfg, sp, unroll, cs)
-            sp, stacks = _split_stacks(sp, 1, x.dtype, views, linear_views, kda, latent_views and seg.mixer == "mla")
+            sp, stacks = _split_stacks(sp, 1, x.dtype, views, linear_views, kda)
             cs, latent = _split_latent(cs) if latent_views and seg.mixer == "mla" else (cs, None)
             threaded = _KdaCaches(cs) if kda else None
 
@@ -300,7 +296,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         base = first + g * np.arange(seg.length)
         kda = _kda_views(cfg, sp.get("kda"), unroll, cs)
         sp_kda, stacks_kda = _split_stacks(sp.get("kda"), 2, x.dtype, views, linear_views, kda)
-        sp_mla, stacks_mla = _split_stacks(sp["mla"], 1, x.dtype, views, linear_views, latent=latent_views)
+        sp_mla, stacks_mla = _split_stacks(sp["mla"], 1, x.dtype, views, linear_views)
         threaded = _KdaCaches(cs["kda"]) if kda else None
 
         def kda_body(x, xs, stacks=stacks_kda, threaded=threaded):

@@ -139,15 +139,10 @@ def test_decode_equals_forward(debug_model, unroll):
 
 @pytest.mark.parametrize("unroll", [pytest.param(False, marks=pytest.mark.heavy), True],
                          ids=["layer_scans", "unrolled"])
-def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll, monkeypatch):
+def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
     """The decode step's Pallas kernels give the XLA step's logits: decode_impl="pallas" (latent
     attention, KDA step) with moe_impl="gemv" (routed experts; unrolled, read from the stacked
-    weights as `ExpertStack`s, with scans from the sliced layer). Unrolled, W_UV runs in the latent
-    attention's merge kernel (read from the kv_b_proj stacks), in every MLA layer."""
-    from ling_jax.ops import latent_attention_pallas as lap
-
-    merges = []
-    monkeypatch.setattr(lap, "_merge_up", lambda *a, real=lap._merge_up, **k: merges.append(1) or real(*a, **k))
+    weights as `ExpertStack`s, with scans from the sliced layer)."""
     cfg, params = debug_model
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
@@ -155,7 +150,6 @@ def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll, monkeypat
     want = _teacher_forced(cfg, params, prompt, lengths, forced, 16)
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
-    assert len(merges) == (sum(cfg.mixer_of(i) == "mla" for i in range(cfg.num_hidden_layers)) if unroll else 0)
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases

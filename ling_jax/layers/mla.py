@@ -21,8 +21,8 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
-from ling_jax.ops.latent_attention_pallas import ValueProjection, latent_attention_pallas
-from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, linear, pad_columns
+from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
+from ling_jax.ops.layer_gemv import FUSED_INPUT, linear, pad_columns
 from ling_jax.ops.mla_decode import LatentStack, latent_attention
 from ling_jax.sharding import per_shard
 
@@ -142,9 +142,7 @@ def _fused_attention(q_nope: jax.Array, q_rot: jax.Array, k_nope: jax.Array, k_r
 
 def absorbed_weights(p: dict[str, Any], cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
     """kv_b_proj [r, H * (d_n + d_v)] split per head into W_UK [r, H, d_n] and W_UV [r, H, d_v]."""
-    w = p["kv_b_proj"]
-    w = (w.value() if isinstance(w, WeightStack) else w).reshape(
-        cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    w = p["kv_b_proj"].reshape(cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
 
@@ -172,9 +170,7 @@ def mla_decode(
 
     The query's nope part is folded through W_UK into the latent space, the attention runs over
     cached [c ‖ k_rot] rows plus the new one at scale 1/sqrt(qk_head_dim), and W_UV up-projects
-    the weighted latent afterwards. cos/sin: [B, 1, d_r / 2] for each row's position. Where the
-    unrolled step hands over the latent and kv_b_proj as stacks (`model.run_stack`), W_UV runs in
-    the latent attention kernels as well (`ops.latent_attention_pallas.ValueProjection`).
+    the weighted latent afterwards. cos/sin: [B, 1, d_r / 2] for each row's position.
     """
     x_B1D = x_BD[:, None]
     dt = x_BD.dtype
@@ -187,13 +183,7 @@ def mla_decode(
     w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
     q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
     q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
-    kv_b = p["kv_b_proj"]
     with jax.named_scope("latent_attention"):
-        if isinstance(latent_BSW, LatentStack) and isinstance(kv_b, WeightStack):  # W_UV in the kernel too
-            o_BHV = latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer,
-                                            rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5,
-                                            up=ValueProjection(kv_b.stack, kv_b.layer, dn))
-        else:
-            m_BHR = _attend(q_BHW, latent_BSW, lengths_B, new_BW, cfg=cfg)
-            o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
+        m_BHR = _attend(q_BHW, latent_BSW, lengths_B, new_BW, cfg=cfg)
+    o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
     return mla_output(p, o_BHV[:, None], gate_B1X)[:, 0], new_BW

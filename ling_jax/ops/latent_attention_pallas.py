@@ -22,7 +22,6 @@ laid out, heads over tensor).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -37,10 +36,6 @@ BH = 16  # heads per program (the smallest dot Triton issues)
 TARGET_PROGRAMS = 264  # two per SM on an H200 (their partial results cost ~8 MB per layer at batch 1)
 NUM_WARPS, NUM_STAGES = 4, 2  # with BK and TARGET_PROGRAMS: the fastest of the tile sweep (BENCHMARKS.md)
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
-MERGE_BV = 128  # value columns per program of the merge + W_UV kernel
-MERGE_ELEMS = 2048  # float32 values of a head's split partials it loads at once (splits x latent columns)
-MERGE_BR = 64  # latent rows of W_UV per loop step (at most)
-MERGE_WARPS = 4
 
 
 def supported(rank: int, rope: int, slots: int) -> bool:
@@ -49,10 +44,8 @@ def supported(rank: int, rope: int, slots: int) -> bool:
 
 
 def _splits(batch: int, head_blocks: int, blocks: int) -> int:
-    """Cache splits per (row, head block): enough programs to fill the GPU, at most one per block; a
-    power of two (the merge kernel loads a head's splits as one block)."""
-    n = max(1, min(blocks, math.ceil(TARGET_PROGRAMS / (batch * head_blocks))))
-    return 1 << (n.bit_length() - 1)
+    """Cache splits per (row, head block): enough programs to fill the GPU, at most one per block."""
+    return max(1, min(blocks, math.ceil(TARGET_PROGRAMS / (batch * head_blocks))))
 
 
 def _precision(x: jax.Array) -> jax.lax.Precision:
@@ -102,83 +95,13 @@ def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_re
     acc_ref[...] = acc
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ValueProjection:
-    """W_UV read in place from a layer's kv_b_proj inside its stack [L, r, H * (d_n + d_v)]: head h's
-    value columns are h * (d_n + d_v) + d_n + [0, d_v)."""
-
-    stack: jax.Array  # [L, r, H * (d_n + d_v)]
-    layer: jax.Array | int  # this layer's index in the stack
-    nope: int = dataclasses.field(metadata={"static": True})  # d_n, the key columns before each head's values
-
-
-def _merge_kernel(idx_ref, q_ref, new_ref, m_ref, l_ref, acc_ref, w_ref, o_ref, *, rank: int, rope: int,
-                  scale: float, nope: int, width: int, br: int, bv: int):
-    """One (row, head, block of value columns): merges the head's splits with the new row and
-    multiplies the weighted latent (rounded to the activation dtype) by its W_UV columns."""
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    lay = idx_ref[0]
-    hb, hi = h // BH, h % BH
-    f32 = jnp.float32
-    s_new = (jnp.sum(q_ref[b, h, pl.ds(0, rank)].astype(f32) * new_ref[b, pl.ds(0, rank)].astype(f32))
-             + jnp.sum(q_ref[b, h, pl.ds(rank, rope)].astype(f32) * new_ref[b, pl.ds(rank, rope)].astype(f32))) * scale
-    m_S = m_ref[b, :, hb, hi]
-    m = jnp.maximum(s_new, jnp.max(m_S))
-    w_S = jnp.exp(m_S - m)
-    w_new = jnp.exp(s_new - m)
-    inv_l = 1.0 / (w_new + jnp.sum(l_ref[b, :, hb, hi] * w_S))
-    col = h * width + nope + j * bv
-
-    def body(i, out_V):
-        rows = pl.ds(i * br, br)
-        acc_SR = acc_ref[b, :, hb, hi, rows]  # [n_sp, br]
-        o_R = (w_new * new_ref[b, rows].astype(f32) + jnp.sum(w_S[:, None] * acc_SR, axis=0)) * inv_l
-        w_RV = w_ref[lay, rows, pl.ds(col, bv)].astype(o_ref.dtype).astype(f32)
-        return out_V + jnp.sum(o_R.astype(o_ref.dtype).astype(f32)[:, None] * w_RV, axis=0)
-
-    out_V = jax.lax.fori_loop(0, rank // br, body, jnp.zeros((bv,), f32))
-    o_ref[b, h, pl.ds(j * bv, bv)] = out_V.astype(o_ref.dtype)
-
-
-def _merge_up(q_BHW: jax.Array, new_BW: jax.Array, m: jax.Array, l: jax.Array, acc: jax.Array,
-              up: ValueProjection, *, rank: int, scale: float, interpret: bool | None) -> jax.Array:
-    """The splits' (max, sum, weighted latent) merged with the new row and up-projected by W_UV, one
-    kernel: o [B, H, d_v] in the cache's dtype."""
-    b, h, w = q_BHW.shape
-    stack = up.stack if up.stack.ndim == 3 else up.stack[None]
-    width = stack.shape[-1] // h
-    dv = width - up.nope
-    n_sp = m.shape[1]
-    bv = min(MERGE_BV, dv & -dv)
-    br = max(1, min(rank, MERGE_BR, MERGE_ELEMS // n_sp))
-    if stack.shape[1] != rank or stack.shape[-1] != h * width or not (is_pow2(bv) and rank % br == 0):
-        raise ValueError(f"latent_attention_pallas: W_UV from kv_b_proj {list(stack.shape[-2:])} for {h} heads of "
-                         f"{up.nope} + {dv} columns and rank {rank}")
-    idx = jnp.asarray(up.layer if up.stack.ndim == 3 else 0, jnp.int32).reshape(1)
-    args = (idx, q_BHW, new_BW, m, l, acc, stack)
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, rank=rank, rope=w - rank, scale=scale, nope=up.nope, width=width,
-                          br=br, bv=bv),
-        out_shape=jax.ShapeDtypeStruct((b, h, dv), new_BW.dtype),
-        grid=(b, h, dv // bv),
-        in_specs=[whole(a) for a in args],
-        out_specs=whole(jax.ShapeDtypeStruct((b, h, dv), new_BW.dtype)),
-        name="latent_merge_up",
-        **call_options(interpret, num_warps=MERGE_WARPS, num_stages=1),
-    )(*args)
-
-
 def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
                             rank: int, scale: float, layer: jax.Array | int | None = None,
-                            up: ValueProjection | None = None, interpret: bool | None = None) -> jax.Array:
+                            interpret: bool | None = None) -> jax.Array:
     """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel.
 
     With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
-    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`).
-    With `up`, the result is instead the attention's output up-projected by W_UV, [B, H, d_v] in the
-    cache's dtype (the weighted latent rounded to it first, as `layers.mla.mla_decode` does): a second
-    kernel merges the splits and multiplies, where XLA took five launches."""
+    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
     if layer is None:
         cache_LBSW, layer = cache_BSW[None], 0
     else:
@@ -208,8 +131,6 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
         name="latent_attention",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     )(lengths_B, span, layer_1, q, cache_LBSW)
-    if up is not None:
-        return _merge_up(q_BHW, new_BW, m_bsh, l_bsh, acc, up, rank=rank, scale=scale, interpret=interpret)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
     acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]

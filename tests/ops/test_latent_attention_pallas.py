@@ -95,31 +95,3 @@ def test_triton_lowering(h200_lowering):
     mlir = h200_lowering(stacked, sd((16, 16, 576), bf), sd((6, 16, 33792, 576), bf), sd((16,), jnp.int32),
                          sd((16, 576), bf), sd((), jnp.int32))
     assert "triton" in mlir
-
-
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("b,h,lengths,programs", [
-    (1, 16, [1000], 264),  # one row over 16 splits
-    (3, 20, [0, 33, 700], 264),  # a second head block of 4 real heads, an empty row
-    (2, 4, [1000, 5], 3),  # few splits (rounded down to a power of two), many blocks each
-])
-def test_value_projection(monkeypatch, dtype, tol, b, h, lengths, programs):
-    """`up`: the splits merged and multiplied by W_UV read from the kv_b_proj stack in place, equal to
-    the attention's result rounded to the activation dtype and up-projected by XLA (as
-    `layers.mla.mla_decode` does without it)."""
-    from ling_jax.ops import latent_attention_pallas as lap
-
-    monkeypatch.setattr(lap, "TARGET_PROGRAMS", programs)
-    r, dr, dn, dv = 64, 16, 24, 32
-    q, cache, new = _case(11, b, h, r, dr, 1024, dtype)
-    kv_b = jnp.asarray(np.random.default_rng(12).standard_normal((3, r, h * (dn + dv))) / 8, dtype)
-    ln = jnp.asarray(lengths, jnp.int32)
-    f = jax.jit(lambda i: latent_attention_pallas(q, cache, ln, new, rank=r, scale=0.2,
-                                                  up=lap.ValueProjection(kv_b, i, dn)))
-    for i in (0, 2):
-        m_BHR = latent_attention_pallas(q, cache, ln, new, rank=r, scale=0.2).astype(dtype)
-        w_uv_RHV = kv_b[i].reshape(r, h, dn + dv)[..., dn:]
-        want = jnp.einsum("bhr,rhv->bhv", m_BHR, w_uv_RHV, preferred_element_type=jnp.float32)
-        got = f(jnp.int32(i))
-        assert got.shape == (b, h, dv) and got.dtype == dtype
-        assert rel_l2(got, want) < tol
