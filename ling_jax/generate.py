@@ -21,8 +21,6 @@ from ling_jax.cache import Cache, cache_length, place
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers import kda, mla
-from ling_jax.layers.kda import kda_mixer
-from ling_jax.layers.mla import mla_decode
 from ling_jax.layers.mlp import fuse_gate_up
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
@@ -71,8 +69,8 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
 
     def mix(p, h_B1D, mixer, c):
         if mixer == "kda":
-            return kda_mixer(p, h_B1D, cfg=cfg, cache=c)
-        out_BD, row_BW = mla_decode(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, cos=cos, sin=sin)
+            return kda.kda_mixer(p, h_B1D, cfg=cfg, cache=c)
+        out_BD, row_BW = mla.mla_decode(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, cos=cos, sin=sin)
         return out_BD[:, None], row_BW
 
     def layer(p, x, lim, c, mixer, ffn):

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
@@ -25,7 +24,7 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import FUSED_INPUT, linear, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, column_starts, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -158,9 +157,8 @@ def _decode_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, ...]
 
 
 def _input_starts(p: dict[str, Any]) -> list[int]:
-    """First column of each of `_input_projections` in the fused input projection."""
-    widths = [p[n].shape[-1] for n in _input_projections(p)]
-    return [int(e - w) for e, w in zip(np.cumsum(widths), widths, strict=True)] + [int(sum(widths))]
+    """First column of each of `_input_projections` in the fused input projection, then its width."""
+    return column_starts([p[n] for n in _input_projections(p)])
 
 
 def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: KdaCacheStack, *,

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
@@ -22,7 +21,7 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
-from ling_jax.ops.layer_gemv import FUSED_INPUT, linear, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, column_starts, linear, pad_columns
 from ling_jax.ops.mla_decode import LatentStack, latent_attention
 from ling_jax.sharding import per_shard
 
@@ -53,8 +52,8 @@ def _projected_inputs(p: dict[str, Any], x_BTD: jax.Array) -> tuple[jax.Array, j
     if FUSED_INPUT not in p:
         return tuple(linear(x_BTD, p[n]) for n in names)
     y = linear(x_BTD, p[FUSED_INPUT])
-    ends = np.cumsum([p[n].shape[-1] for n in names])
-    return y[..., : ends[0]], y[..., ends[0] : ends[1]], y[..., ends[1] : ends[2]]
+    s = column_starts([p[n] for n in names])
+    return tuple(y[..., s[i] : s[i + 1]] for i in range(len(names)))
 
 
 def mla_query(p: dict[str, Any], q_in: jax.Array, cfg: LingConfig) -> jax.Array:

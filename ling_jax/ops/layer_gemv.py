@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
@@ -50,6 +51,12 @@ def pad_columns(w: jax.Array) -> jax.Array:
     per row) at a time."""
     pad = -w.shape[-1] % expert_gemv.MAX_BO
     return w if pad == 0 else jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
+
+
+def column_starts(ws: list) -> list[int]:
+    """Where each of the weights `ws` (arrays or `WeightStack`s [.., C, O_i]) starts when placed side by
+    side in one fused projection, then the total width: [0, O_0, O_0 + O_1, ..., sum O_i]."""
+    return [0, *np.cumsum([w.shape[-1] for w in ws]).tolist()]
 
 
 def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
