@@ -5,7 +5,9 @@
 
 `--kernel mgpu` (impl "mgpu": JAX's `ragged_dot_mgpu`) or `aligned` (impl "aligned": our persistent
 kernel over rows laid out in whole tiles per expert; its dW is `transposed_ragged_dot` on that
-layout; tile sets there are n,k,steps,band of `aligned_gmm.Tiles`).
+layout; tile sets there are m,n,k,steps,band of `aligned_gmm.Tiles`, the rows laid out anew for each
+m, and each entry also records the kernel's device time from a profiler trace, `device_s`: at
+decode sizes, `--tokens 16`, the kernel is shorter than a call's dispatch).
 
 For one MoE layer's shapes (Ling-3.0-tiny, Ling-3.1-flash) at N tokens (default 16k, k copies each,
 rows sorted by expert with the real router's uneven loads), times each of the six grouped matmuls
@@ -34,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, median_time, write_json
+from bench.device_profile import kernel_profile
 from bench.moe import MODELS
 from ling_jax.config import LingConfig
 from ling_jax.layers.moe import route
@@ -53,23 +56,30 @@ def tile_sets(quick: bool, gbn: list[int] | None = None) -> list[tuple[int, ...]
     return [s for s in sets if s[0] * s[1] <= 64 * 256]
 
 
-def matmuls(cfg: LingConfig, n: int, seed: int, kernel: str = "mgpu"
-            ) -> tuple[dict[str, Any], jax.Array, jax.Array | None]:
-    """The six matmuls' operands at this shape, rows sorted by the real router's expert choice
-    (`aligned`: each expert's rows start on a tile, the rest of its last tile zero)."""
-    d, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+def route_idx(cfg: LingConfig, n: int, seed: int) -> jax.Array:
+    """The real router's expert choices [N, k] for n random tokens."""
+    d, e = cfg.hidden_size, cfg.num_experts
     keys = jax.random.split(jax.random.key(seed), 6)
     x_ND = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
     router_DE = jax.random.normal(keys[1], (d, e), jnp.float32) * d**-0.5
-    idx_NK, _, _ = jax.jit(functools.partial(route, cfg=cfg))(x_ND, router_DE, jnp.zeros((e,), jnp.float32))
+    return jax.jit(functools.partial(route, cfg=cfg))(x_ND, router_DE, jnp.zeros((e,), jnp.float32))[0]
+
+
+def matmuls(cfg: LingConfig, n: int, seed: int, kernel: str = "mgpu", tm: int = aligned_gmm.TILES.m
+            ) -> tuple[dict[str, Any], jax.Array, jax.Array | None]:
+    """The six matmuls' operands at this shape, rows sorted by the real router's expert choice
+    (`aligned`: each expert's rows start on a tile of tm rows, the rest of that tile zero)."""
+    d, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    keys = jax.random.split(jax.random.key(seed), 6)
+    idx_NK = route_idx(cfg, n, seed)
     gs_E = jnp.bincount(idx_NK.reshape(-1), length=e).astype(jnp.int32)
     m = idx_NK.size
     rows, tile_group_T = m, None
     if kernel == "aligned":
-        tiles_T = aligned_gmm.num_tiles(m, e)
-        rows = tiles_T * aligned_gmm.TILES.m
-        _, tile_group_T = aligned_gmm.tile_layout(gs_E, tiles_T)
-        gs_E = (gs_E + aligned_gmm.TILES.m - 1) // aligned_gmm.TILES.m * aligned_gmm.TILES.m
+        tiles_T = aligned_gmm.num_tiles(m, e, tm)
+        rows = tiles_T * tm
+        _, tile_group_T = aligned_gmm.tile_layout(gs_E, tiles_T, tm)
+        gs_E = (gs_E + tm - 1) // tm * tm
     xs_MD = jax.random.normal(keys[2], (rows, d), jnp.bfloat16)
     h_MI = jax.random.normal(keys[3], (rows, i), jnp.bfloat16)
     w_EDI = jax.random.normal(keys[4], (e, d, i), jnp.bfloat16) * d**-0.5
@@ -93,13 +103,19 @@ def matmuls(cfg: LingConfig, n: int, seed: int, kernel: str = "mgpu"
     }, gs_E, tile_group_T
 
 
+@functools.lru_cache(maxsize=1)  # one layout's operands on the device at a time
+def layout(model: str, tokens: int, kernel: str, tm: int) -> tuple[dict[str, Any], jax.Array, jax.Array | None]:
+    """`matmuls` of a model at `tokens` tokens, aligned rows in tiles of tm."""
+    return matmuls(LingConfig.preset(MODELS[model]), tokens, seed=0, kernel=kernel, tm=tm)
+
+
 ALIGNED = [aligned_gmm.TILES]  # the aligned kernel's tiles while timing
 
 
 def set_tiles(t: tuple[int, ...], kernel: str = "mgpu") -> None:
     if kernel == "aligned":
-        n, k, steps, band = t
-        ALIGNED[0] = aligned_gmm.Tiles(n=n, k=k, steps=steps, band=band)
+        m, n, k, steps, band = t
+        ALIGNED[0] = aligned_gmm.Tiles(m=m, n=n, k=k, steps=steps, epi_m=min(m, 64), epi_n=min(n, 64), band=band)
         return
     (moe_ops.MGPU_BLOCK_M, moe_ops.MGPU_BLOCK_N, moe_ops.MGPU_BLOCK_K, moe_ops.MGPU_STEPS,
      moe_ops.MGPU_GRID_BLOCK_N) = t
@@ -138,7 +154,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="aligned: also compare each result with XLA einsums")
     args = ap.parse_args()
     t0 = aligned_gmm.TILES
-    default = ((t0.n, t0.k, t0.steps, t0.band) if args.kernel == "aligned" else
+    default = ((t0.m, t0.n, t0.k, t0.steps, t0.band) if args.kernel == "aligned" else
                (moe_ops.MGPU_BLOCK_M, moe_ops.MGPU_BLOCK_N, moe_ops.MGPU_BLOCK_K, moe_ops.MGPU_STEPS,
                 moe_ops.MGPU_GRID_BLOCK_N))
     result: dict[str, Any] = {**machine(), "command": " ".join(["python3", *sys.argv]), "tokens": args.tokens,
@@ -146,9 +162,9 @@ def main() -> int:
     dense = jax.jit(jnp.matmul)
     for model in args.models:
         cfg = LingConfig.preset(MODELS[model])
-        ops, gs_E, tile_group_T = matmuls(cfg, args.tokens, seed=0, kernel=args.kernel)
-        loads = np.asarray(gs_E)
-        for name, (fn, operands, (m, k, n)) in ops.items():
+        ops = layout(model, args.tokens, args.kernel, ALIGNED[0].m)[0]
+        loads = np.asarray(jnp.bincount(route_idx(cfg, args.tokens, seed=0).reshape(-1), length=cfg.num_experts))
+        for name, (_, _, (m, k, n)) in ops.items():
             if (name not in args.only) if args.only else name.endswith("_xt"):
                 continue
             flops = 2 * m * k * n
@@ -164,10 +180,15 @@ def main() -> int:
             for t in sets:
                 print(f"  {name} {t}", file=sys.stderr, flush=True)  # a compiler crash names its tile set
                 set_tiles(t, args.kernel)
+                tiled_ops, _, tile_group_T = layout(model, args.tokens, args.kernel, ALIGNED[0].m)
+                fn, operands = tiled_ops[name][:2]
                 entry: dict[str, Any] = {"tiles": t}
                 try:
                     f = jax.jit(fn)
                     entry["s"] = median_time(lambda f=f, ops=operands: f(*ops), reps=args.reps, warmup=2)
+                    if args.kernel == "aligned":
+                        prof = kernel_profile(lambda f=f, ops=operands: f(*ops), calls=args.reps)
+                        entry["device_s"] = prof["device_busy_s_per_call"] if prof else None
                     if args.check and tile_group_T is not None and not name.endswith("_xt"):
                         entry["rel_err"] = check(name, f(*operands), operands, tile_group_T)
                     entry["tflops"] = flops / entry["s"] / 1e12
@@ -177,11 +198,13 @@ def main() -> int:
                     if "shared memory" not in str(err):
                         traceback.print_exc()
                 row["tiles"].append(entry)
+                print(f"    {t}: {1e6 * entry.get('s', float('nan')):.1f} us per call, device "
+                      f"{1e6 * (entry.get('device_s') or float('nan')):.1f} us", file=sys.stderr, flush=True)
                 jax.clear_caches()
             set_tiles(default, args.kernel)
             ok = [e for e in row["tiles"] if "s" in e]
             if ok:
-                best = min(ok, key=lambda e: e["s"])
+                best = min(ok, key=lambda e: e.get("device_s") or e["s"])
                 dflt = next((e for e in ok if tuple(e["tiles"]) == default), None)
                 row["best"] = best
                 print(f"{model:15s} {name:12s} dense {row['dense_tflops']:6.1f} TFLOP/s | best {best['tiles']} "
