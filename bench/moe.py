@@ -123,7 +123,7 @@ def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype
             interpreted = impl in ("mgpu", "aligned") and jax.default_backend() != "gpu"  # 1-10 s a call on CPU
             if not interpreted:
                 gmm_only = jax.jit(functools.partial(moe_ops.expert_ffn_sorted, limit=0.0, impl=impl,
-                                                     tile_group_T=rows.tile_group_T))
+                                                     tile_group_T=rows.tile_group_T, tiles=rows.tiles))
                 res["gmm_only"] = timeit(gmm_only, xs_MD, rows.group_sizes_L, wg_EDI, wu_EDI, wd_EID)
             if interpreted:
                 ref = moe_ops.routed_experts(x_ND, idx_NK, w_NK, wg_EDI, wu_EDI, wd_EID, impl="ragged")

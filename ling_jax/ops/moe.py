@@ -251,25 +251,27 @@ def _krd_bwd(kernel, full, res, dy_MN):
 kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
 
 
-@jax.custom_vjp
-def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array) -> jax.Array:
-    """Row tile t of x times w[tile_group[t]] through `aligned_gmm` ([S, K] x [G, K, N] -> [S, N]),
-    differentiable. The tiles must come in ascending group order, those of group -1 (zero) last,
-    as `sorted_rows(aligned=True)` lays them out: dW is `transposed_ragged_dot_mgpu` over the
-    groups' whole tiles, taken to be contiguous. dX: the same kernel with the weights transposed."""
-    return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, tiles: aligned_gmm.Tiles
+                       ) -> jax.Array:
+    """Row tile t of x times w[tile_group[t]] through `aligned_gmm` with `tiles` ([S, K] x [G, K, N]
+    -> [S, N]), differentiable. The tiles must come in ascending group order, those of group -1
+    (zero) last, as `sorted_rows(aligned=True)` lays them out: dW is `transposed_ragged_dot_mgpu`
+    over the groups' whole tiles, taken to be contiguous. dX: the same kernel with the weights
+    transposed."""
+    return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T, tiles=tiles)
 
 
-def _ard_fwd(x_SK, w_GKN, tile_group_T):
-    y_SN, = keep(aligned_ragged_dot(x_SK, w_GKN, tile_group_T))
+def _ard_fwd(x_SK, w_GKN, tile_group_T, tiles):
+    y_SN, = keep(aligned_ragged_dot(x_SK, w_GKN, tile_group_T, tiles))
     return y_SN, (x_SK, w_GKN, tile_group_T)
 
 
-def _ard_bwd(res, dy_SN):
+def _ard_bwd(tiles, res, dy_SN):
     x_SK, w_GKN, tile_group_T = res
     dy_SN = dy_SN.astype(x_SK.dtype)
-    dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True)
-    rows_G = counts(tile_group_T, w_GKN.shape[0]) * (x_SK.shape[0] // tile_group_T.shape[0])
+    dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True, tiles=tiles)
+    rows_G = counts(tile_group_T, w_GKN.shape[0]) * tiles.m
     return dx_SK, _mgpu_dw(x_SK, dy_SN, rows_G).astype(w_GKN.dtype), None
 
 
@@ -277,19 +279,21 @@ aligned_ragged_dot.defvjp(_ard_fwd, _ard_bwd)
 
 
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str,
-                   full: bool = False, tile_group_T: jax.Array | None = None) -> jax.Array:
+                   full: bool = False, tile_group_T: jax.Array | None = None,
+                   tiles: aligned_gmm.Tiles = aligned_gmm.TILES) -> jax.Array:
     """Rows sorted by group: row block g of x times w[g]; [M, K] x [G, K, N] -> [M, N] in x's dtype.
 
     Rows past sum(group_sizes) are zero. `impl`: "ragged", "aligned", "mgpu" or "gmm" (see the
     module doc); `full`: the caller guarantees sum(group_sizes) = M. "aligned" takes the rows in
-    whole tiles per group (`sorted_rows(aligned=True)`): `tile_group_T` names each tile's group
-    (group_sizes are not used; every row of a group's tiles is computed).
+    whole tiles of `tiles.m` per group (`sorted_rows(aligned=True)`, which also picks `tiles`):
+    `tile_group_T` names each tile's group (group_sizes are not used; every row of a group's tiles
+    is computed).
     """
     w_GKN = w_GKN.astype(x_MK.dtype)
     if impl == "aligned":
         if tile_group_T is None:
             raise ValueError("grouped_matmul impl='aligned' needs tile_group_T (rows laid out by sorted_rows)")
-        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T)
+        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T, tiles)
     if impl == "ragged":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if impl in KERNELS:
@@ -307,15 +311,16 @@ def combine(y_NKD: jax.Array, w_NK: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged",
-                      full: bool = False, tile_group_T: jax.Array | None = None) -> jax.Array:
+                      full: bool = False, tile_group_T: jax.Array | None = None,
+                      tiles: aligned_gmm.Tiles = aligned_gmm.TILES) -> jax.Array:
     """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
 
     Rows past sum(group_sizes) come out zero; `full`: the caller guarantees they sum to M.
-    "aligned": the rows in whole tiles per expert, `tile_group_T` and group sizes from
+    "aligned": the rows in whole tiles per expert, `tile_group_T`, `tiles` and group sizes from
     `sorted_rows(aligned=True)` (padding rows must be zero: they then stay zero through the SwiGLU).
     """
     mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=impl, full=full,
-                           tile_group_T=tile_group_T)
+                           tile_group_T=tile_group_T, tiles=tiles)
     return mm(swiglu_act(mm(x_MD, w_gate), mm(x_MD, w_up), limit), w_down)
 
 
@@ -430,7 +435,8 @@ def routed_partial(
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
     rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
     y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M), rows.group_sizes_L, w_gate_LDI, w_up_LDI,
-                             w_down_LID, limit, impl, full=all_local and cap == n * k, tile_group_T=rows.tile_group_T)
+                             w_down_LID, limit, impl, full=all_local and cap == n * k, tile_group_T=rows.tile_group_T,
+                             tiles=rows.tiles)
     return combine(undispatch(y_SD, rows.copy_S, rows.slot_M).reshape(n, k, -1), w_NK, jnp.float32)
 
 
@@ -489,18 +495,21 @@ class SortedRows:
     """Where the token copies sit in the grouped matmul's S rows: `copy_S` [S] the copy each row
     holds (M = N * k: none, a zero row), `slot_M` [M] the row of each copy (S: not computed), the
     rows per expert `group_sizes_L` as the grouped matmul takes them, and (aligned) each row tile's
-    expert `tile_group_T` (-1: past the last)."""
+    expert `tile_group_T` (-1: past the last) and the grouped matmul's tile set (`tiles.m` rows
+    per row tile)."""
 
     copy_S: jax.Array
     slot_M: jax.Array
     group_sizes_L: jax.Array
     tile_group_T: jax.Array | None
+    tiles: aligned_gmm.Tiles = dataclasses.field(default=aligned_gmm.TILES, metadata={"static": True})
 
 
 def sorted_rows(key_M: jax.Array, n_local: int, cap: int, aligned: bool) -> SortedRows:
     """The rows for copies whose expert is `key_M` (n_local: not computed here), at most `cap` of
-    them local: packed into `cap` rows, or (`aligned`) each expert's from a tile of
-    `aligned_gmm.TILES.m` rows on, in `aligned_gmm.num_tiles(cap, n_local)` tiles."""
+    them local: packed into `cap` rows, or (`aligned`) each expert's from a tile of `tiles.m`
+    rows on (`tiles = aligned_gmm.tiles_for(cap)`), in `aligned_gmm.num_tiles(cap, n_local, tiles.m)`
+    tiles."""
     m = key_M.shape[0]
     order_M = jnp.argsort(key_M, stable=True)  # copies in sorted order
     pos_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(m, dtype=order_M.dtype), unique_indices=True)
@@ -509,7 +518,8 @@ def sorted_rows(key_M: jax.Array, n_local: int, cap: int, aligned: bool) -> Sort
     if not aligned:
         copy_S = jnp.where(jnp.arange(cap) < n_valid, order_M[:cap], m)
         return SortedRows(copy_S, jnp.where(pos_M < n_valid, pos_M, cap), gs_L, None)
-    tm = aligned_gmm.TILES.m
+    tiles = aligned_gmm.tiles_for(cap)
+    tm = tiles.m
     n_tiles = aligned_gmm.num_tiles(cap, n_local, tm)
     first_L, tile_group_T = aligned_gmm.tile_layout(gs_L, n_tiles, tm)
     shift_L = first_L * tm - (jnp.cumsum(gs_L) - gs_L)  # sorted position -> row, per expert
@@ -524,7 +534,7 @@ def sorted_rows(key_M: jax.Array, n_local: int, cap: int, aligned: bool) -> Sort
     # computed once: fused into the [S, D] row gathers, XLA would redo these index gathers per
     # element (H200, Ling-3.0-tiny, 16k tokens: the routed forward took 8.5 ms around 1.4 ms of matmuls)
     copy_S, slot_M = jax.lax.optimization_barrier((copy_S, slot_M))
-    return SortedRows(copy_S, slot_M, (gs_L + tm - 1) // tm * tm, tile_group_T)
+    return SortedRows(copy_S, slot_M, (gs_L + tm - 1) // tm * tm, tile_group_T, tiles)
 
 
 def _copies_of(y_SD: jax.Array, slot_M: jax.Array) -> jax.Array:

@@ -20,35 +20,44 @@ TM = aligned_gmm.TILES.m
 
 def per_tile(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: np.ndarray) -> np.ndarray:
     """Row tile t times w[tile_group[t]] in float64 numpy (zero where the group is -1)."""
-    x = np.asarray(x_SK, np.float64).reshape(len(tile_group_T), TM, -1)
+    x = np.asarray(x_SK, np.float64).reshape(len(tile_group_T), x_SK.shape[0] // len(tile_group_T), -1)
     w = np.asarray(w_GKN, np.float64)
-    return np.concatenate([x[t] @ w[g] if g >= 0 else np.zeros((TM, w.shape[2])) for t, g in enumerate(tile_group_T)])
+    return np.concatenate([x[t] @ w[g] if g >= 0 else np.zeros((x.shape[1], w.shape[2]))
+                           for t, g in enumerate(tile_group_T)])
 
 
-@pytest.mark.parametrize("dtype, k, n, band", [
-    (jnp.bfloat16, 96, 200, 0),  # K and N padded; one column tile, fewer k-steps than pipeline stages
-    (jnp.float16, 96, 200, 0),
-    (jnp.bfloat16, 320, 600, 0),  # 5 k-steps through 4 stages, 3 column tiles (N padded to 768)
-    (jnp.bfloat16, 320, 600, 2),  # the persistent loop in bands of 2 column tiles
+@pytest.mark.parametrize("dtype, k, n, tiles", [
+    # K and N padded; one column tile, fewer k-steps than pipeline stages
+    (jnp.bfloat16, 96, 200, aligned_gmm.TILES),
+    (jnp.float16, 96, 200, aligned_gmm.TILES),
+    (jnp.bfloat16, 320, 600, aligned_gmm.TILES),  # 5 k-steps through 4 stages, 3 column tiles (N padded to 768)
+    (jnp.bfloat16, 320, 600, aligned_gmm.Tiles(band=2)),  # the persistent loop in bands of 2 column tiles
+    (jnp.bfloat16, 320, 600, aligned_gmm.DECODE_TILES),  # half-height row tiles, 5 column tiles
 ])
-def test_aligned_matmul_matches_per_tile_products(dtype, k, n, band):
+def test_aligned_matmul_matches_per_tile_products(dtype, k, n, tiles):
     """Both weight layouts, widths that are not multiples of the tiles, tiles in any group order and
     tiles of group -1 (exact zeros: the interpreter fills what is never written with NaN)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(0)
     tile_group = np.array([2, 0, -1, 2, 1])
-    x = jnp.asarray(rng.standard_normal((len(tile_group) * TM, k)), dtype)
+    tm = tiles.m
+    x = jnp.asarray(rng.standard_normal((len(tile_group) * tm, k)), dtype)
     w = jnp.asarray(rng.standard_normal((3, k, n)) * 0.1, dtype)
     want = per_tile(x, w, tile_group)
-    mm = functools.partial(aligned_gmm.aligned_matmul, tiles=aligned_gmm.Tiles(band=band),
+    mm = functools.partial(aligned_gmm.aligned_matmul, tiles=tiles,
                            interpret_params=plgpu.InterpretGPUParams(detect_races=True))
     y = mm(x, w, jnp.asarray(tile_group))
     y_t = mm(x, jnp.swapaxes(w, 1, 2), jnp.asarray(tile_group), transpose_rhs=True)
     for got in (y, y_t):
-        assert got.shape == (len(tile_group) * TM, n) and got.dtype == dtype
+        assert got.shape == (len(tile_group) * tm, n) and got.dtype == dtype
         assert rel_l2(got.astype(jnp.float32), want) <= 5e-3
-        assert np.all(np.asarray(got[2 * TM:3 * TM]) == 0)
+        assert np.all(np.asarray(got[2 * tm:3 * tm]) == 0)
+
+
+def test_tiles_for_picks_decode_tiles_for_few_copies():
+    assert aligned_gmm.tiles_for(16 * 8) == aligned_gmm.tiles_for(aligned_gmm.DECODE_MAX_ROWS) == aligned_gmm.DECODE_TILES
+    assert aligned_gmm.tiles_for(aligned_gmm.DECODE_MAX_ROWS + 1) == aligned_gmm.TILES
 
 
 @pytest.mark.parametrize("d, i", [(1536, 512), (4096, 1280)])  # Ling-3.0-tiny's and Ling-3.1-flash's MoE
@@ -60,12 +69,13 @@ def test_aligned_matmul_lowers_for_hopper(d, i, monkeypatch):
 
     def lower(rows_k, w_shape, transpose_rhs, tiles=aligned_gmm.TILES):
         fn = functools.partial(aligned_gmm.aligned_matmul, transpose_rhs=transpose_rhs, tiles=tiles, interpret=False)
-        args = (jax.ShapeDtypeStruct((8 * TM, rows_k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
+        args = (jax.ShapeDtypeStruct((8 * tiles.m, rows_k), jnp.bfloat16), jax.ShapeDtypeStruct(w_shape, jnp.bfloat16))
         return jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, tiles_T).mlir_module()
 
     for rows_k, w_shape, transpose_rhs in ((d, (4, d, i), False), (i, (4, i, d), False),  # forward
                                            (i, (4, d, i), True), (d, (4, i, d), True)):  # dX
         assert "mosaic_gpu" in lower(rows_k, w_shape, transpose_rhs)
+        assert "mosaic_gpu" in lower(rows_k, w_shape, transpose_rhs, aligned_gmm.DECODE_TILES)
     with pytest.raises(ValueError, match="shared memory"):
         lower(d, (4, d, i), False, aligned_gmm.Tiles(steps=6))
 
@@ -104,10 +114,13 @@ def test_tile_layout_and_bound():
         assert int(np.sum(-(-sizes // TM))) <= aligned_gmm.num_tiles(rows, g, TM)
 
 
-@pytest.mark.parametrize("skew", [False, True])
-def test_sorted_rows_aligned_layout(skew):
+@pytest.mark.parametrize("skew, decode_max_rows", [(False, aligned_gmm.DECODE_MAX_ROWS),
+                                                   (True, aligned_gmm.DECODE_MAX_ROWS), (True, 0)])
+def test_sorted_rows_aligned_layout(skew, decode_max_rows, monkeypatch):
     """Every computed copy sits in a tile of its own expert and the row maps invert each other;
-    rows holding no copy, and copies of other devices' experts, point past the end."""
+    rows holding no copy, and copies of other devices' experts, point past the end. The tiles are
+    those `tiles_for` picks for the 1200 copies (decode tiles, or with decode_max_rows=0 TILES)."""
+    monkeypatch.setattr(aligned_gmm, "DECODE_MAX_ROWS", decode_max_rows)
     rng = np.random.default_rng(2)
     n, k, e, n_local, first = 300, 4, 8, 5, 2
     idx = np.argsort(rng.random((n, e)), axis=1)[:, :k]
@@ -118,17 +131,19 @@ def test_sorted_rows_aligned_layout(skew):
     key = np.where((local >= 0) & (local < n_local), local, n_local).reshape(-1)
     cap = n * min(k, n_local)
     rows = moe_ops.sorted_rows(jnp.asarray(key, jnp.int32), n_local, cap, aligned=True)
+    assert rows.tiles == aligned_gmm.tiles_for(cap)
+    tm = rows.tiles.m
     copy_S, slot_M = np.asarray(rows.copy_S), np.asarray(rows.slot_M)
     tile_group = np.asarray(rows.tile_group_T)
     s, m = len(copy_S), n * k
-    assert s == aligned_gmm.num_tiles(cap, n_local, TM) * TM
+    assert s == aligned_gmm.num_tiles(cap, n_local, tm) * tm
     computed = key < n_local
     assert np.all(slot_M[~computed] == s)
     assert np.all(copy_S[slot_M[computed]] == np.flatnonzero(computed))
-    assert np.all(tile_group[slot_M[computed] // TM] == key[computed])
+    assert np.all(tile_group[slot_M[computed] // tm] == key[computed])
     held = copy_S < m
     assert held.sum() == computed.sum() and np.all(slot_M[copy_S[held]] == np.flatnonzero(held))
-    np.testing.assert_array_equal(rows.group_sizes_L, -(-np.bincount(key[computed], minlength=n_local) // TM) * TM)
+    np.testing.assert_array_equal(rows.group_sizes_L, -(-np.bincount(key[computed], minlength=n_local) // tm) * tm)
 
 
 def routed_equals_dense(idx, w, x, ws, first: int) -> None:
@@ -150,8 +165,10 @@ def routed_equals_dense(idx, w, x, ws, first: int) -> None:
 
 
 @pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
-def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu):
-    """Skewed routing (expert 2 gets nothing); the share of experts 2, 3."""
+def test_routed_experts_aligned_equals_dense(mgpu_dw_on_cpu, monkeypatch):
+    """Skewed routing (expert 2 gets nothing); the share of experts 2, 3. With the training tiles
+    (TILES: 128-row tiles), where the other case takes the decode tiles `tiles_for` picks."""
+    monkeypatch.setattr(aligned_gmm, "DECODE_MAX_ROWS", 0)
     rng = np.random.default_rng(6)
     n, d, e, i = 40, 64, 4, 64
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
