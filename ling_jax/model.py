@@ -27,7 +27,7 @@ from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
-from ling_jax.ops import layer_gemv
+from ling_jax.ops import layer_gemv, stack_matmul
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
@@ -139,7 +139,7 @@ KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA
 NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
 
 
-def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: bool,
+def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linears: int,
                   kda: bool = False) -> tuple[Params | None, Stacks]:
     """Takes weight stacks out of layer-stacked params `t` (`lead` stack axes), for kernels that read a
     layer in place (XLA copies a sliced stack passed to a custom call).
@@ -151,10 +151,12 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     `experts`: the routed-expert stacks as `ExpertStack`s, and the fused shared expert
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
-    `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears`: the
-    `LINEAR_LEAVES` projections as `layer_gemv.WeightStack`s, and the router (float32) and the
-    `NORM_LEAVES` (any dtype) too. `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the
-    KDA decode layer kernel, `ops.kda.decode_layer`).
+    `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears` (the
+    rows the projections multiply, 0: none): the `LINEAR_LEAVES` projections (and the fused shared
+    expert where `experts` did not take it) as `layer_gemv.WeightStack`s where a kernel takes that
+    many rows, and at one row the router (float32) and the `NORM_LEAVES` (any dtype) too. `kda`:
+    the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
+    `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
@@ -183,9 +185,10 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
             take("mlp", "expert_bias", WeightStack, False)
     if linears:
         for sub, names in LINEAR_LEAVES.items():
-            for name in names:
-                if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype):
+            for name in names + (SHARED_LEAVES if sub == "mlp" else ()):
+                if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype, linears):
                     take(sub, name, WeightStack, False)
+    if linears == 1:
         router = subs.get("mlp", {}).get("router")  # float32: stackable in its own dtype
         if layer_gemv.stackable(router, lead, getattr(router, "dtype", None)):
             take("mlp", "router", WeightStack, False)
@@ -260,8 +263,9 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     will run the gemv kernel (`ops.moe.wants_stacks`), the routed-expert weights reach it as
     `ExpertStack`s (the kernel reads them from the stacks; a sliced operand would be copied
     whole every step, and the XLA impls are faster on the plain slices). Unrolled with caches at
-    one row (the batch-1 decode step) and `cfg.pallas_decode("proj")`, the dense projections reach
-    `layer_gemv.linear` as `WeightStack`s the same way. Unrolled with caches, decode params and
+    up to `ops.stack_matmul.MAX_ROWS` rows (the decode step) and `cfg.pallas_decode("proj")`, the
+    dense projections reach `layer_gemv.linear` as `WeightStack`s the same way (at one row the
+    router and the norms too). Unrolled with caches, decode params and
     `cfg.pallas_decode("kda")` on one device, the KDA layers run as Python loops that thread their
     segment's cache stacks from layer to layer (`_KdaCaches`) through the KDA decode layer kernel.
     """
@@ -270,8 +274,9 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
         cfg.moe_intermediate_size)
     loop = unroll and caches is None
     latent_views = unroll and caches is not None and cfg.pallas_decode("mla") and not multi_device(context_mesh())
-    linear_views = (unroll and caches is not None and x.shape[0] * x.shape[1] == 1 and cfg.pallas_decode("proj")
-                    and not multi_device(context_mesh()))
+    rows = x.shape[0] * x.shape[1]
+    linear_views = (rows if unroll and caches is not None and rows <= stack_matmul.MAX_ROWS
+                    and cfg.pallas_decode("proj") and not multi_device(context_mesh()) else 0)
     ys_all: list[Any] = []
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]

@@ -139,17 +139,27 @@ def test_decode_equals_forward(debug_model, unroll):
 
 @pytest.mark.parametrize("unroll", [pytest.param(False, marks=pytest.mark.heavy), True],
                          ids=["layer_scans", "unrolled"])
-def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll):
+def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll, monkeypatch):
     """The decode step's Pallas kernels give the XLA step's logits: decode_impl="pallas" (latent
-    attention, KDA step) with moe_impl="gemv" (routed experts; unrolled, read from the stacked
-    weights as `ExpertStack`s, with scans from the sliced layer)."""
+    attention, KDA step, and unrolled the dense projections of the two rows read from their
+    stacks by `ops.stack_matmul`) with moe_impl="gemv" (routed experts; unrolled, read from the
+    stacked weights as `ExpertStack`s, with scans from the sliced layer)."""
+    from ling_jax.ops import stack_matmul
+
     cfg, params = debug_model
     rng = np.random.default_rng(5)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 9)))
     lengths, forced = jnp.asarray([9, 6]), jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 3)))
     want = _teacher_forced(cfg, params, prompt, lengths, forced, 16)
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
+    shapes = []
+    real = stack_matmul.partial_products
+    monkeypatch.setattr(stack_matmul, "partial_products",
+                        lambda x, w, *a, **k: shapes.append(w.shape) or real(x, w, *a, **k))
     assert rel_l2(_teacher_forced(pallas, params, prompt, lengths, forced, 16, unroll), want) < 1e-5
+    d = cfg.hidden_size
+    # unrolled: every layer's output projection ([*, heads x head dim, D]) at least, read in place
+    assert ({s[-1] for s in shapes} >= {d} and len(shapes) >= cfg.num_hidden_layers) if unroll else not shapes
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases

@@ -8,19 +8,21 @@ custom kernel on a layer's weight sliced from its segment's stack would first co
 (`ops.expert_gemv.gathered_products`) with the layer as the expert: one launch that reads the layer's
 [C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums. A layer's RMSNorm
 before such projections (`normed`) is left to the kernel too (`expert_gemv.NormedRows`): every
-program normalises the tile of the row it reads, and the norm's two XLA launches go.
+program normalises the tile of the row it reads, and the norm's two XLA launches go. At a few rows
+(decode at batch > 1) `linear` runs `ops.stack_matmul` on the stack the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops import expert_gemv
+from ling_jax.ops import expert_gemv, stack_matmul
 from ling_jax.ops.expert_gemv import NormedRows, dense
 
 FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
@@ -59,11 +61,13 @@ def column_starts(ws: list) -> list[int]:
     return [0, *np.cumsum([w.shape[-1] for w in ws]).tolist()]
 
 
-def stackable(w: object, lead: int, dtype: jnp.dtype) -> bool:
+def stackable(w: object, lead: int, dtype: jnp.dtype, rows: int = 1) -> bool:
     """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `linear` as a
-    `WeightStack`: a dense array of [C, O] matrices in the compute `dtype` that the kernel tiles."""
-    return (isinstance(w, jax.Array) and w.ndim == lead + 2 and w.dtype == dtype
-            and expert_gemv.supported(*w.shape[-2:]))
+    `WeightStack` for products of `rows` rows: a dense array of [C, O] matrices in the compute
+    `dtype` that the kernel for that many rows tiles."""
+    if not (isinstance(w, jax.Array) and w.ndim == lead + 2 and w.dtype == dtype):
+        return False
+    return expert_gemv.supported(*w.shape[-2:]) if rows == 1 else stack_matmul.supported(rows, *w.shape[-2:])
 
 
 def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
@@ -76,13 +80,20 @@ def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | 
 
 
 def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
-    """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` runs the gemv
-    kernel over the rows of x, each reading the whole [C, O]: meant for one row (the batch-1
-    decode step, where `model.run_stack` makes them); an array runs XLA's product."""
+    """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` (the decode step,
+    where `model.run_stack` makes them) runs the gemv kernel on one row (or on each row, where
+    the few-row matmul does not tile the weight), the few-row matmul (`ops.stack_matmul`) on
+    more; an array runs XLA's product."""
     if not isinstance(w, WeightStack):
         x = dense(x)
         return x @ w.astype(x.dtype)
-    return expert_gemv.add_partials(partial_products(x, w)).astype(x.dtype)
+    c, o = w.shape
+    rows = math.prod(x.shape[:-1])
+    if rows == 1 or not stack_matmul.supported(rows, c, o):  # the gemv kernel, once per row
+        return expert_gemv.add_partials(partial_products(x, w)).astype(x.dtype)
+    x = dense(x)
+    parts_SRO = stack_matmul.partial_products(x.reshape(-1, c), w.stack, w.layer)
+    return expert_gemv.add_partials(parts_SRO).astype(x.dtype).reshape(*x.shape[:-1], o)
 
 
 def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:

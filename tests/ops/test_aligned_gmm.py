@@ -56,7 +56,8 @@ def test_aligned_matmul_matches_per_tile_products(dtype, k, n, tiles):
 
 
 def test_tiles_for_picks_decode_tiles_for_few_copies():
-    assert aligned_gmm.tiles_for(16 * 8) == aligned_gmm.tiles_for(aligned_gmm.DECODE_MAX_ROWS) == aligned_gmm.DECODE_TILES
+    decode = aligned_gmm.DECODE_TILES
+    assert aligned_gmm.tiles_for(16 * 8) == aligned_gmm.tiles_for(aligned_gmm.DECODE_MAX_ROWS) == decode
     assert aligned_gmm.tiles_for(aligned_gmm.DECODE_MAX_ROWS + 1) == aligned_gmm.TILES
 
 
