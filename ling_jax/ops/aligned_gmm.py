@@ -55,7 +55,9 @@ TILES = Tiles()  # many copies per expert (training, prefill)
 # Ling-3.0-tiny's MoE at 16 tokens x top-8 (`bench/moe_tiles.py --tokens 16`, device time): gate
 # 55.3 -> 43.1 us, down 54.9 -> 46.4 us; at 128 tokens 70.3 -> 59.1 and 71.0 -> 62.9 us.
 DECODE_TILES = Tiles(m=64, n=64)
-DECODE_MAX_ROWS = 4096  # token copies per call up to which `tiles_for` picks DECODE_TILES
+# token copies per call up to which `tiles_for` picks DECODE_TILES: at 4,096 copies they were still
+# faster (gate 71.8 -> 60.8 us, down 74.1 -> 67.9 us), at 16,384 slower (90.3 -> 97.3, 92.8 -> 117.3)
+DECODE_MAX_ROWS = 4096
 INTERPRET_PROGRAMS = 4  # programs (SMs) simulated off GPU
 
 
