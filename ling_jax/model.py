@@ -152,9 +152,10 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     (`SHARED_LEAVES`) as a one-expert stack where `ops.moe.shared_fits` (the MoE then runs it inside
     the routed experts' gemv launches, `ops.moe.SharedStacks`), and the expert bias as a
     `layer_gemv.WeightStack` (the selection kernel reads it, `ops.route_pallas`). `linears` (the
-    rows the projections multiply, 0: none): the `LINEAR_LEAVES` projections (and the fused shared
-    expert where `experts` did not take it) as `layer_gemv.WeightStack`s where a kernel takes that
-    many rows, and at one row the router (float32) and the `NORM_LEAVES` (any dtype) too. `kda`:
+    rows the projections multiply, 0: none): the `LINEAR_LEAVES` projections as
+    `layer_gemv.WeightStack`s where a kernel takes that many rows, past one row the fused shared
+    expert too (where `experts` did not take it), and at one row the router (float32) and the
+    `NORM_LEAVES` (any dtype). `kda`:
     the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
     `ops.kda.decode_layer`).
     """
@@ -185,7 +186,7 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
             take("mlp", "expert_bias", WeightStack, False)
     if linears:
         for sub, names in LINEAR_LEAVES.items():
-            for name in names + (SHARED_LEAVES if sub == "mlp" else ()):
+            for name in names + (SHARED_LEAVES if sub == "mlp" and linears > 1 else ()):
                 if sub in subs and layer_gemv.stackable(subs[sub].get(name), lead, dtype, linears):
                     take(sub, name, WeightStack, False)
     if linears == 1:
