@@ -155,9 +155,8 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     rows the projections multiply, 0: none): the `LINEAR_LEAVES` projections as
     `layer_gemv.WeightStack`s where a kernel takes that many rows, past one row the fused shared
     expert too (where `experts` did not take it), and at one row the router (float32) and the
-    `NORM_LEAVES` (any dtype). `kda`:
-    the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA decode layer kernel,
-    `ops.kda.decode_layer`).
+    `NORM_LEAVES` (any dtype). `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA
+    decode layer kernel, `ops.kda.decode_layer`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}
@@ -266,8 +265,8 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     whole every step, and the XLA impls are faster on the plain slices). Unrolled with caches at
     up to `ops.stack_matmul.MAX_ROWS` rows (the decode step) and `cfg.pallas_decode("proj")`, the
     dense projections reach `layer_gemv.linear` as `WeightStack`s the same way (at one row the
-    router and the norms too). Unrolled with caches, decode params and
-    `cfg.pallas_decode("kda")` on one device, the KDA layers run as Python loops that thread their
+    router and the norms too). Unrolled with caches, decode params and `cfg.pallas_decode("kda")`
+    on one device, the KDA layers run as Python loops that thread their
     segment's cache stacks from layer to layer (`_KdaCaches`) through the KDA decode layer kernel.
     """
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(

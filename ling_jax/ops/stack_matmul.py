@@ -58,7 +58,9 @@ def _kernel(layer_ref, x_ref, w_ref, out_ref, *, steps: int):
         k = (s * steps + j) * BK
         w_KO = w_ref[layer, pl.ds(k, BK), pl.ds(o * bo, bo)]
         x_RK = x_ref[:, pl.ds(k, BK)]
-        return acc_RO + jax.lax.dot(x_RK, w_KO.astype(x_RK.dtype), preferred_element_type=jnp.float32)
+        precision = jax.lax.Precision.HIGHEST if x_RK.dtype == jnp.float32 else None  # float32: not TF32
+        return acc_RO + jax.lax.dot(x_RK, w_KO.astype(x_RK.dtype), precision=precision,
+                                    preferred_element_type=jnp.float32)
 
     out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
 
