@@ -56,23 +56,17 @@ def tile_sets(quick: bool, gbn: list[int] | None = None) -> list[tuple[int, ...]
     return [s for s in sets if s[0] * s[1] <= 64 * 256]
 
 
-def route_idx(cfg: LingConfig, n: int, seed: int) -> jax.Array:
-    """The real router's expert choices [N, k] for n random tokens."""
-    d, e = cfg.hidden_size, cfg.num_experts
-    keys = jax.random.split(jax.random.key(seed), 6)
-    x_ND = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
-    router_DE = jax.random.normal(keys[1], (d, e), jnp.float32) * d**-0.5
-    return jax.jit(functools.partial(route, cfg=cfg))(x_ND, router_DE, jnp.zeros((e,), jnp.float32))[0]
-
-
 def matmuls(cfg: LingConfig, n: int, seed: int, kernel: str = "mgpu", tm: int = aligned_gmm.TILES.m
             ) -> tuple[dict[str, Any], jax.Array, jax.Array | None]:
     """The six matmuls' operands at this shape, rows sorted by the real router's expert choice
-    (`aligned`: each expert's rows start on a tile of tm rows, the rest of that tile zero)."""
+    (`aligned`: each expert's rows start on a tile of tm rows, the rest of that tile zero), the
+    router's copies per expert, and (`aligned`) each row tile's expert."""
     d, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     keys = jax.random.split(jax.random.key(seed), 6)
-    idx_NK = route_idx(cfg, n, seed)
-    gs_E = jnp.bincount(idx_NK.reshape(-1), length=e).astype(jnp.int32)
+    x_ND = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    router_DE = jax.random.normal(keys[1], (d, e), jnp.float32) * d**-0.5
+    idx_NK, _, _ = jax.jit(functools.partial(route, cfg=cfg))(x_ND, router_DE, jnp.zeros((e,), jnp.float32))
+    loads_E = gs_E = jnp.bincount(idx_NK.reshape(-1), length=e).astype(jnp.int32)
     m = idx_NK.size
     rows, tile_group_T = m, None
     if kernel == "aligned":
@@ -100,7 +94,7 @@ def matmuls(cfg: LingConfig, n: int, seed: int, kernel: str = "mgpu", tm: int = 
         # dX with the weights transposed by XLA first (the transpose is timed too)
         "dx_gate_up_xt": (lambda dy, w: mm(dy, jnp.swapaxes(w, 1, 2), transpose_rhs=False), (h_MI, w_EDI), (m, i, d)),
         "dx_down_xt": (lambda dy, w: mm(dy, jnp.swapaxes(w, 1, 2), transpose_rhs=False), (xs_MD, w_EID), (m, d, i)),
-    }, gs_E, tile_group_T
+    }, loads_E, tile_group_T
 
 
 @functools.lru_cache(maxsize=1)  # one layout's operands on the device at a time
@@ -162,8 +156,8 @@ def main() -> int:
     dense = jax.jit(jnp.matmul)
     for model in args.models:
         cfg = LingConfig.preset(MODELS[model])
-        ops = layout(model, args.tokens, args.kernel, ALIGNED[0].m)[0]
-        loads = np.asarray(jnp.bincount(route_idx(cfg, args.tokens, seed=0).reshape(-1), length=cfg.num_experts))
+        ops, loads_E, _ = layout(model, args.tokens, args.kernel, ALIGNED[0].m)
+        loads = np.asarray(loads_E)
         for name, (_, _, (m, k, n)) in ops.items():
             if (name not in args.only) if args.only else name.endswith("_xt"):
                 continue
