@@ -200,6 +200,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check-golden", default=None, help="golden set A folder (ling3_tiny_a): check it first")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--golden-device", default=None,
+                    help="where --check-golden runs (default --device; cpu spares FLA's chunked-kernel autotuning)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -214,7 +216,7 @@ def main() -> None:
               "torch": torch.__version__, "transformers": transformers.__version__,
               "fla": getattr(fla, "__version__", "?"), "preset": Path(args.preset).stem, "runs": []}
     if args.check_golden:
-        report["golden_check"] = check_golden(Path(args.check_golden), args.device)
+        report["golden_check"] = check_golden(Path(args.check_golden), args.golden_device or args.device)
         print(json.dumps(report["golden_check"]), flush=True)
     t0 = time.perf_counter()
     with torch.device(args.device):
