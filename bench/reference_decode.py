@@ -156,6 +156,19 @@ def check_golden(golden: Path, device: str) -> dict:
     return res
 
 
+def step_kernels(model) -> list[str]:
+    """The GPU kernels of a batch-1 decode step whose names mention KDA, a recurrence or a conv: which
+    implementation the reference's KDA layers run (FLA's `fused_recurrent_kda` or the torch
+    fallback, which transformers announces only once per process)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.zeros((1, 65), dtype=torch.long, device=model.device)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(model, ids, fill_cache(model, 1, 64), 2)
+    names = {e.key for e in prof.key_averages()}
+    return sorted(n for n in names if any(w in n.lower() for w in ("kda", "recurrent", "conv")))
+
+
 def time_decode(model, batch: int, context: int, n1: int, n2: int, reps: int) -> dict:
     """ms per decode step of `generate` at (batch, context) (module doc)."""
     gen = torch.Generator(device="cpu").manual_seed(batch * 7919 + context)
@@ -224,6 +237,9 @@ def main() -> None:
     report["model_build_s"] = time.perf_counter() - t0
     report["params"] = sum(p.numel() for p in model.parameters())
     report["attn_implementation"] = model.config._attn_implementation
+    if args.device == "cuda":
+        report["kda_step_kernels"] = step_kernels(model)
+        print("KDA step kernels:", report["kda_step_kernels"], flush=True)
     for b in args.batches:
         for c in args.contexts:
             try:
