@@ -153,7 +153,8 @@ def expert_parallel(
         if ep_on:
             x_GD, idx_GK, w_GK = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_ND, idx_NK, w_NK))
             first = jax.lax.axis_index("expert") * wg_LDI.shape[0]
-        y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=local_impl)
+        y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=local_impl,
+                              in_shard_map=True)
         y_ND = jax.lax.psum_scatter(y_GD, "expert", scatter_dimension=0, tiled=True) if ep_on else y_GD
         if tp_on:
             y_ND = jax.lax.psum(y_ND, "tensor")

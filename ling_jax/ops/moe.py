@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.layers.mlp import swiglu_act
-from ling_jax.ops import aligned_gmm, expert_gemv
+from ling_jax.ops import aligned_gmm, expert_gemv, row_scatter
 from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
 from ling_jax.ops.saved import keep
 
@@ -395,6 +395,7 @@ def routed_partial(
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
     all_local: bool = False,
+    in_shard_map: bool = False,
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) over the choices j with idx in [first, first + L): [N, D] f32.
 
@@ -404,6 +405,8 @@ def routed_partial(
     number of local copies, N * min(k, L), is fed to it — dropless under any routing skew.
     Expert outputs are in x's dtype, the weighted sum is float32. `all_local`: the caller guarantees
     every choice is in range (every sorted copy is computed: the grouped matmuls skip their masks).
+    `in_shard_map`: called inside `layers.moe.expert_parallel`'s shard_map, where the aligned
+    dispatch keeps XLA's gather (a `pallas_call` there has no manual-axis output types).
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
@@ -434,9 +437,10 @@ def routed_partial(
     key_M = jnp.where(is_local_NK, local_NK, n_local).reshape(-1)  # non-local copies sort last
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
     rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
-    y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M), rows.group_sizes_L, w_gate_LDI, w_up_LDI,
-                             w_down_LID, limit, impl, full=all_local and cap == n * k, tile_group_T=rows.tile_group_T,
-                             tiles=rows.tiles)
+    rows_only = impl == "aligned" and not in_shard_map  # its matmuls never mix rows nor read the tail tiles
+    y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only), rows.group_sizes_L, w_gate_LDI,
+                             w_up_LDI, w_down_LID, limit, impl, full=all_local and cap == n * k,
+                             tile_group_T=rows.tile_group_T, tiles=rows.tiles)
     return combine(undispatch(y_SD, rows.copy_S, rows.slot_M).reshape(n, k, -1), w_NK, jnp.float32)
 
 
@@ -544,21 +548,33 @@ def _copies_of(y_SD: jax.Array, slot_M: jax.Array) -> jax.Array:
     return jnp.where((slot_M < y_SD.shape[0])[:, None], got, jnp.zeros((), y_SD.dtype))
 
 
-@jax.custom_vjp
-def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array, rows_only: bool = False) -> jax.Array:
     """The grouped matmul's rows [S, D]: row s holds token copy copy_S[s] (a token has k = M / N
-    copies), zero where it holds none."""
+    copies), zero where it holds none.
+
+    `rows_only` (for a consumer that never mixes rows and reads back only the copies' rows: the
+    aligned grouped matmuls): when nothing differentiates, the rows holding no copy are left
+    unwritten (`ops.row_scatter`, one kernel writing M rows instead of a gather writing S); under
+    differentiation they stay zero."""
+    if rows_only and row_scatter.supported(x_ND.shape[1]):
+        return row_scatter.scatter_rows(x_ND, slot_M, copy_S.shape[0])
+    return _zero_padded(x_ND, copy_S, slot_M)
+
+
+def _zero_padded(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.Array:
+    """`dispatch` as a gather over all S rows, the rows of no copy zero."""
     m = slot_M.shape[0]
     got = x_ND[jnp.minimum(copy_S, m - 1) // (m // x_ND.shape[0])]
     return jnp.where((copy_S < m)[:, None], got, jnp.zeros((), x_ND.dtype))
 
 
-def _dispatch_fwd(x_ND, copy_S, slot_M):
-    x_SD, = keep(dispatch(x_ND, copy_S, slot_M))
+def _dispatch_fwd(x_ND, copy_S, slot_M, rows_only):
+    x_SD, = keep(_zero_padded(x_ND, copy_S, slot_M))
     return x_SD, (x_ND.shape[0], slot_M)
 
 
-def _dispatch_bwd(res, dy_SD):
+def _dispatch_bwd(rows_only, res, dy_SD):
     n, slot_M = res
     dx_ND = _copies_of(dy_SD, slot_M).reshape(n, -1, dy_SD.shape[-1]).sum(axis=1, dtype=jnp.float32)
     return dx_ND.astype(dy_SD.dtype), None, None
