@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.layers.norms import rms_norm
-from ling_jax.ops.pallas_gpu import call_options, index_operand, whole
+from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
@@ -103,12 +103,7 @@ def add_partials(parts_S: jax.Array) -> jax.Array:
 
 def _tile(n: int, cap: int) -> int | None:
     """The largest power of two in [MIN_TILE, cap] that divides n, or None."""
-    t = cap
-    while t >= MIN_TILE:
-        if n % t == 0:
-            return t
-        t //= 2
-    return None
+    return pow2_tile(n, cap, MIN_TILE)
 
 
 def supported(c: int, o: int) -> bool:

@@ -41,6 +41,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def pow2_tile(n: int, cap: int, least: int) -> int | None:
+    """The largest power of two in [least, cap] dividing n (a Triton block over n), or None."""
+    t = cap
+    while t >= least:
+        if n % t == 0:
+            return t
+        t //= 2
+    return None
+
+
 def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     """`a` zero-padded at the end of `axis` to a multiple of `multiple` (a kernel's tile)."""
     extra = -a.shape[axis] % multiple

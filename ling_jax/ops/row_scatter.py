@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, whole
+from ling_jax.ops.pallas_gpu import call_options, pow2_tile, whole
 
 MAX_BLOCK = 1024  # columns one program copies (a power of two dividing D; Triton's rule)
 MIN_BLOCK = 16
@@ -31,12 +31,7 @@ MIN_BLOCK = 16
 
 def block(d: int) -> int | None:
     """The widest power of two in [MIN_BLOCK, MAX_BLOCK] dividing d, or None (then `supported` is False)."""
-    b = MAX_BLOCK
-    while b >= MIN_BLOCK:
-        if d % b == 0:
-            return b
-        b //= 2
-    return None
+    return pow2_tile(d, MAX_BLOCK, MIN_BLOCK)
 
 
 def supported(d: int) -> bool:
