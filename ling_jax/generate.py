@@ -25,6 +25,7 @@ from ling_jax.layers.mlp import fuse_gate_up
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.model import decoder_layer, embed, lm_head, make_context, run_stack, sequence_mixer
+from ling_jax.ops.moe import inference as moe_inference
 from ling_jax.params import Params, get_path, layer_stacks, set_path
 from ling_jax.sharding import context_mesh, multi_device
 
@@ -54,7 +55,8 @@ def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.A
             c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :n].set(c["latent"][:, :n])}
         return x, c
 
-    x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
+    with moe_inference():  # nothing differentiates a prefill
+        x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
     h = rms_norm(_last(x, lengths_B), params["final_norm"], cfg.rms_norm_eps)
     return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
 
@@ -77,7 +79,9 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
         x, new, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))
         return x, new
 
-    x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"], unroll=unroll)
+    with moe_inference():
+        x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"],
+                           unroll=unroll)
     # the cache writes below wait for the last layer: else XLA may schedule a segment's latent write
     # before that segment's attention has read the cache, and then copies the whole cache to keep the
     # old rows (H200, batch 128, 33k slots: 2 x 5 GB per step)

@@ -42,10 +42,13 @@ writes them zero. The row maps (`SortedRows`) send only the computed copies back
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -437,7 +440,8 @@ def routed_partial(
     key_M = jnp.where(is_local_NK, local_NK, n_local).reshape(-1)  # non-local copies sort last
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
     rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
-    rows_only = impl == "aligned" and not in_shard_map  # its matmuls never mix rows nor read the tail tiles
+    # its matmuls never mix rows nor read the tail tiles; nothing downstream is differentiated
+    rows_only = impl == "aligned" and not in_shard_map and _INFERENCE.get()
     y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only), rows.group_sizes_L, w_gate_LDI,
                              w_up_LDI, w_down_LID, limit, impl, full=all_local and cap == n * k,
                              tile_group_T=rows.tile_group_T, tiles=rows.tiles)
@@ -491,6 +495,21 @@ def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
 # dispatch are gathers and the transpose of each is the other one's gather: no scatter in the
 # forward or the backward (XLA's scatter-add of [N * k, D] rows broadcasts a u32 index per element,
 # 1.6 GB at 32k tokens x top-8).
+
+
+_INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("ling_jax_moe_inference", default=False)
+
+
+@contextlib.contextmanager
+def inference() -> Iterator[None]:
+    """Trace-time scope of code that nothing differentiates (`generate.prefill`, `generate.decode_step`):
+    there the aligned MoE's dispatch writes only the copies' rows (`dispatch(rows_only=True)`).
+    Training and any gradient stay outside it."""
+    token = _INFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _INFERENCE.reset(token)
 
 
 @jax.tree_util.register_dataclass
@@ -553,10 +572,11 @@ def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array, rows_only: b
     """The grouped matmul's rows [S, D]: row s holds token copy copy_S[s] (a token has k = M / N
     copies), zero where it holds none.
 
-    `rows_only` (for a consumer that never mixes rows and reads back only the copies' rows: the
-    aligned grouped matmuls): when nothing differentiates, the rows holding no copy are left
-    unwritten (`ops.row_scatter`, one kernel writing M rows instead of a gather writing S); under
-    differentiation they stay zero."""
+    `rows_only` (for a consumer that never mixes rows and reads back only the copies' rows, and
+    that nothing differentiates: the aligned grouped matmuls under `inference()`): the rows holding
+    no copy are left unwritten (`ops.row_scatter`, one kernel writing M rows instead of a gather
+    writing S). Under differentiation of x they stay zero; a gradient of the consumer's weights
+    alone would meet the unwritten rows, hence `inference()`."""
     if rows_only and row_scatter.supported(x_ND.shape[1]):
         return row_scatter.scatter_rows(x_ND, slot_M, copy_S.shape[0])
     return _zero_padded(x_ND, copy_S, slot_M)

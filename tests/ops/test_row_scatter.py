@@ -62,8 +62,8 @@ def test_dispatch_rows_only_keeps_copies_and_zero_rows_under_differentiation():
 
 
 def test_routed_experts_aligned_forward_ignores_unwritten_rows():
-    """The aligned MoE's primal (rows_only dispatch: every row without a copy NaN in interpret mode)
-    equals, bit for bit, the same kernels on the zero-padded rows (`in_shard_map` keeps XLA's
+    """The aligned MoE under `inference()` (rows_only dispatch: every row without a copy NaN in
+    interpret mode) equals, bit for bit, the same kernels on the zero-padded rows (`in_shard_map` keeps XLA's
     gather), and the dense path within bf16 rounding: no unwritten row reaches the output. Decode
     tiles; expert 2 unused."""
     rng = np.random.default_rng(4)
@@ -77,8 +77,33 @@ def test_routed_experts_aligned_forward_ignores_unwritten_rows():
         return moe_ops.routed_partial(x, idx, w, 0, *ws, impl=impl, limit=0.5, all_local=True,
                                       in_shard_map=in_shard_map)
 
-    got = run("aligned")
+    with moe_ops.inference():
+        got = run("aligned")
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_array_equal(np.asarray(got), np.asarray(run("aligned", in_shard_map=True)))
     ref = run("dense")
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) <= 3e-2
+
+
+def test_rows_only_only_inside_inference(monkeypatch):
+    """Outside `moe.inference()` the aligned MoE dispatches zero-padded rows even when nothing
+    differentiates it: a gradient of the expert weights alone (frozen input) must not meet unwritten
+    rows. The scatter kernel is made to fail so that a call to it shows."""
+
+    def fail(*_args, **_kw):
+        raise AssertionError("scatter_rows called outside inference()")
+
+    monkeypatch.setattr(row_scatter, "scatter_rows", fail)
+    rng = np.random.default_rng(5)
+    n, d, e, i = 4, 64, 4, 64
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal(s) * 0.2, jnp.bfloat16) for s in ((e, d, i), (e, d, i), (e, i, d))]
+    idx = jnp.asarray(np.tile([0, 2], (n, 1)), jnp.int32)
+    w = jnp.asarray(rng.random((n, 2)), jnp.float32)
+
+    def loss(*ws):
+        return jnp.sum(moe_ops.routed_experts(x, idx, w, *ws, impl="aligned", limit=0.5).astype(jnp.float32) ** 2)
+
+    assert np.isfinite(float(loss(*ws)))  # the forward a weights-only gradient would take
+    with moe_ops.inference(), pytest.raises(AssertionError, match="outside inference"):
+        loss(*ws)
