@@ -7,10 +7,10 @@ decode each expert's one or two copies start a 64-row tile, and S covers the wor
 (`aligned_gmm.num_tiles`: 129 tiles, 8,256 rows, 25 MB for 16 tokens x top-8 of Ling-3.0-tiny, where
 128 rows hold copies). The grouped matmul never mixes rows, its tiles past the last expert are not
 read, and the MoE reads back only the rows of copies: rows without a copy may hold anything when
-nothing differentiates through them. This kernel writes only the M copies' rows of an
-uninitialised [S, D] output (one program per copy and column block), for the dispatch's primal
-(`ops.moe.dispatch(rows_only=True)`); under differentiation the dispatch keeps its zero rows (the
-weight gradient sums over whole tiles).
+nothing differentiates the MoE. This kernel writes only the M copies' rows of an uninitialised
+[S, D] output (one program per copy and column block), for the dispatch in prefill and decode
+(`ops.moe.inference()`, `ops.moe.dispatch(rows_only=True)`); everywhere else the dispatch keeps
+its zero rows (a weight gradient sums over whole tiles).
 
 Triton lowering on GPU; interpret mode elsewhere (tests).
 """
