@@ -70,7 +70,7 @@ def index_operand(values: list) -> np.ndarray | jax.Array:
     return jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in values])
 
 
-def whole(a: jax.Array) -> pl.BlockSpec:
+def whole(a: jax.Array | jax.ShapeDtypeStruct) -> pl.BlockSpec:
     """One block holding all of `a` (a pointer the kernel indexes itself, e.g. by a loaded expert id)."""
     return pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
 

@@ -60,12 +60,13 @@ def scatter_rows(x_ND: jax.Array, slot_M: jax.Array, rows: int, *, interpret: bo
     bd = block(d)
     if bd is None:
         raise ValueError(f"scatter_rows: no power-of-two block >= {MIN_BLOCK} divides D={d}")
+    out = jax.ShapeDtypeStruct((rows, d), x_ND.dtype)
     return pl.pallas_call(
         functools.partial(_kernel, copies_per_row=m // n, bd=bd),
-        out_shape=jax.ShapeDtypeStruct((rows, d), x_ND.dtype),
+        out_shape=out,
         grid=(m, d // bd),
         in_specs=[whole(slot_M), whole(x_ND)],
-        out_specs=pl.BlockSpec((rows, d), lambda *_: (0, 0)),
+        out_specs=whole(out),
         name="scatter_rows",
         **call_options(interpret, num_warps=4, num_stages=1),
     )(slot_M.astype(jnp.int32), x_ND)
