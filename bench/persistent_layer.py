@@ -1,0 +1,316 @@
+"""A persistent batch-1 decode chain: one kernel, grid-wide barriers, the next weights loaded first.
+
+    python3 bench/persistent_layer.py --out bench/results/persistent_layer_h200.json   # the GPU run
+    python3 bench/persistent_layer.py --smoke --out /tmp/pl.json                      # CPU (interpret)
+
+Why: the batch-1 decode step is ~430 kernel launches, and each one spends microseconds filling
+and draining the GPU around its weight read, so the step runs at ~3x its HBM floor (BENCHMARKS.md,
+"Decode"). A persistent kernel keeps every program resident across a layer's stages, waits at a
+grid-wide barrier between them, and loads its first tile of the next stage's weights *before*
+waiting, so the weight stream need not stop while a stage's last programs finish. This measures
+what that buys on a chain of `--layers` dense layers with Ling-3.0-tiny's projection shapes (the
+decode step's matrix-vector products, without the attention core):
+
+    stage  input (prologue)          weight [O, C]      output (epilogue)
+    in     rms_norm(x) * n1          w_in [A, D]        a = acc              (KDA's fused input projection)
+    o      a[:H]                     w_o  [D, H]        y = x + acc          (o_proj + residual)
+    gu     rms_norm(y) * n2          w_gu [2F, D]       g = acc              (the MLP's gate | up)
+    down   silu(g[:F]) * g[F:]       w_d  [D, F]        x <- y + acc         (down + residual)
+
+Every weight is stored [O, C] (rows contiguous); a stage's output is split into blocks of BO rows,
+dealt round-robin to the programs, each summing its rows over C in BC-wide tiles (no partial sums
+left for another launch; the next tile is loaded while the current one is summed). Modes:
+
+  persistent     one launch for all layers; P programs (`--per-sm` per SM); between stages each
+                 program arrives at an atomic counter, loads its first tile of the next stage, then
+                 spins until all P have arrived
+  no_prefetch    the same, the first tile loaded after the wait
+  phased         the same stage code, one launch per stage and layer (what a kernel-per-op decode
+                 step does; the only mode interpret mode can run: a spin barrier needs every
+                 program resident at once)
+  xla            the chain in XLA (jnp; its dots read the weights [O, C]); with float32 math, the
+                 reference of every mode's error
+
+Times: each mode's device time per chain (kernels in a `jax.profiler` trace) and its wall clock
+(median of warmed-up calls with `block_until_ready`); the floor is the chain's weight bytes at the
+copy bandwidth `bench/decode.py` uses (`bench.common.copy_bandwidth`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import copy_bandwidth, machine, median_time, write_json  # noqa: E402
+from bench.device_profile import kernel_profile  # noqa: E402
+from ling_jax.ops.pallas_gpu import call_options, whole  # noqa: E402
+
+EPS = 1e-6
+STAGES = ("in", "o", "gu", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The chain's sizes: hidden D, input projection A (its first H values feed o_proj), MLP width F."""
+
+    d: int = 1536
+    a: int = 10240
+    h: int = 2048
+    f: int = 4608
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """A stage's work split: output blocks of `bo` rows, summed over C in `bc`-wide tiles."""
+
+    o: int
+    c: int
+    bo: int
+    bc: int
+
+    @property
+    def blocks(self) -> int:
+        return self.o // self.bo
+
+    @property
+    def chunks(self) -> int:
+        return self.c // self.bc
+
+
+def tiling(o: int, c: int, programs: int, tile_values: int) -> Tiling:
+    """The widest tile of ~`tile_values` weights whose row blocks deal out evenly over `programs`:
+    BC the largest power of two <= 512 dividing C, BO the largest power of two <= tile_values / BC
+    dividing O whose last round leaves at most 1/8 of the programs idle (else the smallest)."""
+    bc = next(t for t in (512, 256, 128, 64, 32, 16, 8) if c % t == 0)
+    candidates = [b for b in (64, 32, 16, 8, 4, 2, 1) if b * bc <= tile_values and o % b == 0]
+    for bo in candidates:
+        blocks = o // bo
+        rounds = -(-blocks // programs)
+        if blocks >= rounds * programs * 7 // 8:
+            return Tiling(o, c, bo, bc)
+    return Tiling(o, c, candidates[-1], bc)
+
+
+def random_chain(key: jax.Array, layers: int, dims: Dims) -> dict[str, jax.Array]:
+    """Random bf16 weights [L, O, C] (N(0, 0.02)) and float32 norm weights near 1, on the device."""
+    ks = jax.random.split(key, 6)
+
+    def w(k: jax.Array, o: int, c: int) -> jax.Array:
+        return (jax.random.normal(k, (layers, o, c), jnp.float32) * 0.02).astype(jnp.bfloat16)
+
+    d = dims.d
+    return {"n1": 1 + 0.1 * jax.random.normal(ks[0], (layers, d)), "n2": 1 + 0.1 * jax.random.normal(ks[1], (layers, d)),
+            "w_in": w(ks[2], dims.a, d), "w_o": w(ks[3], d, dims.h), "w_gu": w(ks[4], 2 * dims.f, d),
+            "w_d": w(ks[5], d, dims.f)}
+
+
+def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: Any = None) -> jax.Array:
+    """The chain in XLA, float32 activations (the reference at `precision=HIGHEST`)."""
+
+    def norm(v: jax.Array, n: jax.Array) -> jax.Array:
+        return v * jax.lax.rsqrt(jnp.mean(v * v) + EPS) * n
+
+    def mv(w: jax.Array, v: jax.Array) -> jax.Array:
+        return jnp.einsum("oc,c->o", w, v.astype(w.dtype) if precision is None else v,
+                          preferred_element_type=jnp.float32, precision=precision)
+
+    def layer(x: jax.Array, lp: dict[str, jax.Array]) -> tuple[jax.Array, None]:
+        a = mv(lp["w_in"], norm(x, lp["n1"]))
+        y = x + mv(lp["w_o"], a[: dims.h])
+        g = mv(lp["w_gu"], norm(y, lp["n2"]))
+        return y + mv(lp["w_d"], jax.nn.silu(g[: dims.f]) * g[dims.f:]), None
+
+    if precision is not None:
+        p = {k: v.astype(jnp.float32) for k, v in p.items()}
+    return jax.lax.scan(layer, x_D.astype(jnp.float32), p)[0]
+
+
+def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: int, mode: str,
+                  stage: str | None) -> Any:
+    """The kernel body: every stage of every layer with barriers (`stage` None), or one stage of
+    the layer in `layer_ref` (phased)."""
+    d, f, h = dims.d, dims.f, dims.h
+
+    def kernel(layer_ref, n1, n2, w_in, w_o, w_gu, w_d, *refs):  # noqa: ANN001, ANN202 (Pallas refs)
+        x, a, y, g, count = refs[5:]  # the outputs (aliased to refs[:5]): state across stages
+        pid = pl.program_id(0)
+        weights = {"in": w_in, "o": w_o, "gu": w_gu, "down": w_d}
+
+        def read(ref: Any, start: Any, size: int) -> jax.Array:
+            # volatile: written by other programs of this launch, so never from a stale L1 line
+            return pltriton.load(ref.at[pl.ds(start, size)], volatile=True)
+
+        def inv_rms(v: Any, bc: int) -> jax.Array:
+            ss = jax.lax.fori_loop(0, d // bc, lambda c, s: s + jnp.sum(jnp.square(read(v, c * bc, bc))), 0.0)
+            return jax.lax.rsqrt(ss / d + EPS)
+
+        def tile_loader(name: str, layer: Any):
+            t = tiles[name]
+
+            def load(i: Any) -> jax.Array:
+                blk = jnp.minimum(pid + jax.lax.div(i, t.chunks) * programs, t.blocks - 1)
+                cix = jax.lax.rem(i, t.chunks)
+                return pltriton.load(weights[name].at[layer, pl.ds(blk * t.bo, t.bo), pl.ds(cix * t.bc, t.bc)],
+                                     eviction_policy="evict_first")
+            return load
+
+        def run_stage(name: str, layer: Any, first: jax.Array | None) -> None:
+            t = tiles[name]
+            load = tile_loader(name, layer)
+            steps = -(-t.blocks // programs) * t.chunks
+            if name == "in":
+                scale = inv_rms(x, t.bc)
+                prologue = lambda c: read(x, c * t.bc, t.bc) * scale * n1[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
+            elif name == "o":
+                prologue = lambda c: read(a, c * t.bc, t.bc)  # noqa: E731
+            elif name == "gu":
+                scale = inv_rms(y, t.bc)
+                prologue = lambda c: read(y, c * t.bc, t.bc) * scale * n2[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
+            else:
+                prologue = lambda c: jax.nn.silu(read(g, c * t.bc, t.bc)) * read(g, f + c * t.bc, t.bc)  # noqa: E731
+
+            def epilogue(blk: Any, acc: jax.Array) -> None:
+                rows = pl.ds(blk * t.bo, t.bo)
+                if name == "in":
+                    a[rows] = acc
+                elif name == "o":
+                    y[rows] = read(x, blk * t.bo, t.bo) + acc
+                elif name == "gu":
+                    g[rows] = acc
+                else:
+                    x[rows] = read(y, blk * t.bo, t.bo) + acc
+
+            def step(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+                w_cur, acc = carry
+                w_next = load(jnp.minimum(i + 1, steps - 1))
+                cix, blk = jax.lax.rem(i, t.chunks), pid + jax.lax.div(i, t.chunks) * programs
+                acc = acc + jnp.sum(w_cur.astype(jnp.float32) * prologue(cix)[None, :], axis=1)
+                last = cix == t.chunks - 1
+
+                @pl.when(last & (blk < t.blocks))
+                def _() -> None:
+                    epilogue(blk, acc)
+
+                return w_next, jnp.where(last, 0.0, acc)
+
+            jax.lax.fori_loop(0, steps, step, (load(0) if first is None else first, jnp.zeros((t.bo,), jnp.float32)))
+
+        if stage is not None:
+            run_stage(stage, layer_ref[0], None)
+            return
+
+        def arrive() -> None:
+            pltriton.debug_barrier()  # every thread's stores issued before this program counts itself in
+            pltriton.atomic_add(count, 0, 1)
+
+        def wait(target: Any) -> None:
+            jax.lax.while_loop(lambda v: v < target, lambda _: pltriton.load(count.at[0], volatile=True),
+                               pltriton.load(count.at[0], volatile=True))
+            pltriton.atomic_add(count, 0, 0)  # acquire: the other programs' stores are visible
+            pltriton.debug_barrier()
+
+        def layer_body(layer: Any, _: Any) -> Any:
+            for s, name in enumerate(STAGES):
+                k = layer * len(STAGES) + s  # barriers passed so far
+                first = tile_loader(name, layer)(0) if mode == "persistent" else None
+                wait(k * programs)
+                run_stage(name, layer, first)
+                arrive()
+            return _
+
+        jax.lax.fori_loop(0, layers, layer_body, 0)
+
+    return kernel
+
+
+def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: str, programs: int,
+                 tile_values: int = 8192, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """The chain as Pallas (Triton) kernels: `mode` "persistent" / "no_prefetch" (one launch; GPU
+    only) or "phased" (one launch per stage and layer)."""
+    layers = p["w_in"].shape[0]
+    tiles = {"in": tiling(dims.a, dims.d, programs, tile_values), "o": tiling(dims.d, dims.h, programs, tile_values),
+             "gu": tiling(2 * dims.f, dims.d, programs, tile_values), "down": tiling(dims.d, dims.f, programs, tile_values)}
+    state = [x_D.astype(jnp.float32), jnp.zeros((dims.a,), jnp.float32), jnp.zeros((dims.d,), jnp.float32),
+             jnp.zeros((2 * dims.f,), jnp.float32), jnp.zeros((1,), jnp.int32)]
+    weights = [p["n1"], p["n2"], p["w_in"], p["w_o"], p["w_gu"], p["w_d"]]
+
+    def call(stage: str | None, layer: jax.Array, st: list[jax.Array]) -> list[jax.Array]:
+        operands = [layer, *weights, *st]
+        return pl.pallas_call(
+            _chain_kernel(dims, tiles, programs, layers, mode, stage), grid=(programs,),
+            in_specs=[whole(o) for o in operands], out_specs=[whole(s) for s in st],
+            out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in st],
+            input_output_aliases={len(weights) + 1 + i: i for i in range(len(st))},
+            **call_options(interpret, num_warps=num_warps, num_stages=1))(*operands)
+
+    if mode == "phased":  # unrolled, as the decode step is
+        for layer in range(layers):
+            for name in STAGES:
+                state = call(name, jnp.full((1,), layer, jnp.int32), state)
+        return state[0]
+    return call(None, jnp.zeros((1,), jnp.int32), state)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="programs per SM (persistent modes)")
+    ap.add_argument("--tile-values", type=int, nargs="+", default=[8192], help="weights per tile (BO x BC)")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", default=["xla", "phased", "no_prefetch", "persistent"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="small shapes, 2 layers, interpret mode (CPU check)")
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu" and not args.smoke
+    dims = Dims() if not args.smoke else Dims(d=64, a=192, h=64, f=96)
+    layers = args.layers if not args.smoke else 2
+    sms = jax.devices()[0].core_count if gpu else 2
+    p = random_chain(jax.random.key(0), layers, dims)
+    x = jax.random.normal(jax.random.key(1), (dims.d,), jnp.float32)
+    ref = jax.jit(functools.partial(chain_xla, dims=dims, precision=jax.lax.Precision.HIGHEST))(x, p)
+    nbytes = sum(int(v.nbytes) for k, v in p.items() if k.startswith("w_"))
+    bw = copy_bandwidth(2.0 if gpu else 0.01)
+    result: dict[str, Any] = {**machine(), "dims": dataclasses.asdict(dims), "layers": layers, "weight_bytes": nbytes,
+                              "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "sms": sms, "runs": []}
+    print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e9:.0f} GB/s",
+          flush=True)
+    configs: list[tuple[str, int, int]] = []
+    for mode in args.modes:
+        if mode == "xla":
+            configs.append((mode, 0, 0))
+        elif gpu or mode == "phased":
+            configs += [(mode, k, tv) for k in args.per_sm for tv in args.tile_values]
+    for mode, per_sm, tv in sorted(configs, key=lambda c: c[1]):  # 2 per SM (may not fit) after 1
+        if mode == "xla":
+            fn = jax.jit(functools.partial(chain_xla, dims=dims))
+        else:
+            fn = jax.jit(functools.partial(chain_pallas, dims=dims, mode=mode, programs=per_sm * sms, tile_values=tv,
+                                           num_warps=args.warps, interpret=not gpu))
+        out = fn(x, p)
+        err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        wall = median_time(lambda fn=fn: fn(x, p), reps=args.reps if gpu else 2, warmup=3 if gpu else 1)
+        prof = kernel_profile(lambda fn=fn: fn(x, p)) if gpu else None
+        row = {"mode": mode, "per_sm": per_sm, "tile_values": tv, "rel_l2_vs_f32": err, "wall_us": wall * 1e6}
+        if prof:
+            dev = prof["kernel_time_s_per_call"]
+            row |= {"device_us": dev * 1e6, "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / dev / 1e9,
+                    "x_floor": dev / (nbytes / bw)}
+        result["runs"].append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        write_json(args.out, result)  # after every row: a run cut short keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
