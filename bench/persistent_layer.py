@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,9 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, machine, median_time, write_json  # noqa: E402
-from bench.device_profile import kernel_profile  # noqa: E402
-from ling_jax.ops.pallas_gpu import call_options, whole  # noqa: E402
+from bench.common import copy_bandwidth, machine, median_time, write_json
+from bench.device_profile import kernel_profile
+from ling_jax.ops.pallas_gpu import call_options, next_pow2, whole
 
 EPS = 1e-6
 STAGES = ("in", "o", "gu", "down")
@@ -110,8 +111,8 @@ def random_chain(key: jax.Array, layers: int, dims: Dims) -> dict[str, jax.Array
         return (jax.random.normal(k, (layers, o, c), jnp.float32) * 0.02).astype(jnp.bfloat16)
 
     d = dims.d
-    return {"n1": 1 + 0.1 * jax.random.normal(ks[0], (layers, d)), "n2": 1 + 0.1 * jax.random.normal(ks[1], (layers, d)),
-            "w_in": w(ks[2], dims.a, d), "w_o": w(ks[3], d, dims.h), "w_gu": w(ks[4], 2 * dims.f, d),
+    return {"n1": 1 + 0.1 * jax.random.normal(ks[0], (layers, d)),
+            "n2": 1 + 0.1 * jax.random.normal(ks[1], (layers, d)), "w_in": w(ks[2], dims.a, d), "w_o": w(ks[3], d, dims.h), "w_gu": w(ks[4], 2 * dims.f, d),
             "w_d": w(ks[5], d, dims.f)}
 
 
@@ -137,13 +138,13 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
 
 
 def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: int, mode: str,
-                  stage: str | None) -> Any:
+                  stage: str | None, depth: int) -> Any:
     """The kernel body: every stage of every layer with barriers (`stage` None), or one stage of
     the layer in `layer_ref` (phased)."""
-    d, f, h = dims.d, dims.f, dims.h
+    d, f = dims.d, dims.f
 
-    def kernel(layer_ref, n1, n2, w_in, w_o, w_gu, w_d, *refs):  # noqa: ANN001, ANN202 (Pallas refs)
-        x, a, y, g, count = refs[5:]  # the outputs (aliased to refs[:5]): state across stages
+    def kernel(layer_ref, n1, n2, w_in, w_o, w_gu, w_d, *refs):
+        x, a, y, g, flags = refs[5:]  # the outputs (aliased to refs[:5]): state across stages
         pid = pl.program_id(0)
         weights = {"in": w_in, "o": w_o, "gu": w_gu, "down": w_d}
 
@@ -191,42 +192,46 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
                 else:
                     x[rows] = read(y, blk * t.bo, t.bo) + acc
 
-            def step(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-                w_cur, acc = carry
-                w_next = load(jnp.minimum(i + 1, steps - 1))
+            def step(i: Any, carry: tuple[tuple[jax.Array, ...], jax.Array]) -> tuple[tuple[jax.Array, ...], jax.Array]:
+                ahead, acc = carry  # the tiles of steps i .. i + depth - 1, loaded earlier
                 cix, blk = jax.lax.rem(i, t.chunks), pid + jax.lax.div(i, t.chunks) * programs
-                acc = acc + jnp.sum(w_cur.astype(jnp.float32) * prologue(cix)[None, :], axis=1)
+                acc = acc + jnp.sum(ahead[0].astype(jnp.float32) * prologue(cix)[None, :], axis=1)
                 last = cix == t.chunks - 1
 
                 @pl.when(last & (blk < t.blocks))
                 def _() -> None:
                     epilogue(blk, acc)
 
-                return w_next, jnp.where(last, 0.0, acc)
+                return (*ahead[1:], load(jnp.minimum(i + depth, steps - 1))), jnp.where(last, 0.0, acc)
 
-            jax.lax.fori_loop(0, steps, step, (load(0) if first is None else first, jnp.zeros((t.bo,), jnp.float32)))
+            if first is None:
+                first = tuple(load(min(j, steps - 1)) for j in range(depth))
+            jax.lax.fori_loop(0, steps, step, (first, jnp.zeros((t.bo,), jnp.float32)))
 
         if stage is not None:
             run_stage(stage, layer_ref[0], None)
             return
 
-        def arrive() -> None:
-            pltriton.debug_barrier()  # every thread's stores issued before this program counts itself in
-            pltriton.atomic_add(count, 0, 1)
+        def arrive(done: Any) -> None:
+            pltriton.debug_barrier()  # every thread's stores issued before this program says it is done
+            pltriton.atomic_xchg(flags, pid, done)  # release (the same value from any thread that runs it)
 
-        def wait(target: Any) -> None:
-            jax.lax.while_loop(lambda v: v < target, lambda _: pltriton.load(count.at[0], volatile=True),
-                               pltriton.load(count.at[0], volatile=True))
-            pltriton.atomic_add(count, 0, 0)  # acquire: the other programs' stores are visible
+        def wait(done: Any) -> None:
+            def low() -> jax.Array:  # the fewest stages any program has finished (padding holds int32 max)
+                return jnp.min(pltriton.load(flags.at[pl.ds(0, flags.shape[0])], volatile=True))
+
+            jax.lax.while_loop(lambda v: v < done, lambda _: low(), low())
+            pltriton.atomic_add(flags, pid, 0)  # acquire: the other programs' stores are visible
             pltriton.debug_barrier()
 
         def layer_body(layer: Any, _: Any) -> Any:
             for s, name in enumerate(STAGES):
-                k = layer * len(STAGES) + s  # barriers passed so far
-                first = tile_loader(name, layer)(0) if mode == "persistent" else None
-                wait(k * programs)
+                k = layer * len(STAGES) + s  # stages every program must have finished first
+                load = tile_loader(name, layer)
+                first = tuple(load(j) for j in range(depth)) if mode == "persistent" else None
+                wait(k)
                 run_stage(name, layer, first)
-                arrive()
+                arrive(k + 1)
             return _
 
         jax.lax.fori_loop(0, layers, layer_body, 0)
@@ -235,24 +240,27 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
 
 
 def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: str, programs: int,
-                 tile_values: int = 8192, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+                 tile_values: int = 8192, depth: int = 1, num_warps: int = 4, num_stages: int = 1,
+                 interpret: bool | None = None) -> jax.Array:
     """The chain as Pallas (Triton) kernels: `mode` "persistent" / "no_prefetch" (one launch; GPU
-    only) or "phased" (one launch per stage and layer)."""
+    only) or "phased" (one launch per stage and layer); every program keeps the weight tiles of its
+    next `depth` steps in flight."""
     layers = p["w_in"].shape[0]
-    tiles = {"in": tiling(dims.a, dims.d, programs, tile_values), "o": tiling(dims.d, dims.h, programs, tile_values),
-             "gu": tiling(2 * dims.f, dims.d, programs, tile_values), "down": tiling(dims.d, dims.f, programs, tile_values)}
+    shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
+    tiles = {name: tiling(o, c, programs, tile_values) for name, (o, c) in shapes.items()}
     state = [x_D.astype(jnp.float32), jnp.zeros((dims.a,), jnp.float32), jnp.zeros((dims.d,), jnp.float32),
-             jnp.zeros((2 * dims.f,), jnp.float32), jnp.zeros((1,), jnp.int32)]
+             jnp.zeros((2 * dims.f,), jnp.float32),
+             jnp.where(jnp.arange(next_pow2(programs)) < programs, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32)]
     weights = [p["n1"], p["n2"], p["w_in"], p["w_o"], p["w_gu"], p["w_d"]]
 
     def call(stage: str | None, layer: jax.Array, st: list[jax.Array]) -> list[jax.Array]:
         operands = [layer, *weights, *st]
         return pl.pallas_call(
-            _chain_kernel(dims, tiles, programs, layers, mode, stage), grid=(programs,),
+            _chain_kernel(dims, tiles, programs, layers, mode, stage, depth), grid=(programs,),
             in_specs=[whole(o) for o in operands], out_specs=[whole(s) for s in st],
             out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in st],
             input_output_aliases={len(weights) + 1 + i: i for i in range(len(st))},
-            **call_options(interpret, num_warps=num_warps, num_stages=1))(*operands)
+            **call_options(interpret, num_warps=num_warps, num_stages=num_stages))(*operands)
 
     if mode == "phased":  # unrolled, as the decode step is
         for layer in range(layers):
@@ -268,6 +276,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2], help="programs per SM (persistent modes)")
     ap.add_argument("--tile-values", type=int, nargs="+", default=[8192], help="weights per tile (BO x BC)")
+    ap.add_argument("--depth", type=int, nargs="+", default=[2], help="weight tiles each program keeps in flight")
+    ap.add_argument("--num-stages", type=int, nargs="+", default=[1], help="Triton's software-pipelining stages")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["xla", "phased", "no_prefetch", "persistent"])
     ap.add_argument("--reps", type=int, default=20)
@@ -286,23 +296,22 @@ def main() -> None:
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "sms": sms, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e9:.0f} GB/s",
           flush=True)
-    configs: list[tuple[str, int, int]] = []
-    for mode in args.modes:
-        if mode == "xla":
-            configs.append((mode, 0, 0))
-        elif gpu or mode == "phased":
-            configs += [(mode, k, tv) for k in args.per_sm for tv in args.tile_values]
-    for mode, per_sm, tv in sorted(configs, key=lambda c: c[1]):  # 2 per SM (may not fit) after 1
+    grid = [dict(zip(("per_sm", "tile_values", "depth", "num_stages"), c, strict=True))
+            for c in itertools.product(args.per_sm, args.tile_values, args.depth, args.num_stages)]
+    configs = [("xla", {})] if "xla" in args.modes else []
+    configs += [(m, c) for c in grid for m in args.modes if m != "xla" and (gpu or m == "phased")]
+    for mode, cfg in sorted(configs, key=lambda mc: mc[1].get("per_sm", 0)):  # more per SM (may not fit) last
         if mode == "xla":
             fn = jax.jit(functools.partial(chain_xla, dims=dims))
         else:
-            fn = jax.jit(functools.partial(chain_pallas, dims=dims, mode=mode, programs=per_sm * sms, tile_values=tv,
-                                           num_warps=args.warps, interpret=not gpu))
+            kw = {k: v for k, v in cfg.items() if k != "per_sm"}
+            fn = jax.jit(functools.partial(chain_pallas, dims=dims, mode=mode, programs=cfg["per_sm"] * sms,
+                                           num_warps=args.warps, interpret=not gpu, **kw))
         out = fn(x, p)
         err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         wall = median_time(lambda fn=fn: fn(x, p), reps=args.reps if gpu else 2, warmup=3 if gpu else 1)
         prof = kernel_profile(lambda fn=fn: fn(x, p)) if gpu else None
-        row = {"mode": mode, "per_sm": per_sm, "tile_values": tv, "rel_l2_vs_f32": err, "wall_us": wall * 1e6}
+        row = {"mode": mode, **cfg, "rel_l2_vs_f32": err, "wall_us": wall * 1e6}
         if prof:
             dev = prof["kernel_time_s_per_call"]
             row |= {"device_us": dev * 1e6, "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / dev / 1e9,
