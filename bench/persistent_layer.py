@@ -112,8 +112,8 @@ def random_chain(key: jax.Array, layers: int, dims: Dims) -> dict[str, jax.Array
 
     d = dims.d
     return {"n1": 1 + 0.1 * jax.random.normal(ks[0], (layers, d)),
-            "n2": 1 + 0.1 * jax.random.normal(ks[1], (layers, d)), "w_in": w(ks[2], dims.a, d), "w_o": w(ks[3], d, dims.h), "w_gu": w(ks[4], 2 * dims.f, d),
-            "w_d": w(ks[5], d, dims.f)}
+            "n2": 1 + 0.1 * jax.random.normal(ks[1], (layers, d)), "w_in": w(ks[2], dims.a, d),
+            "w_o": w(ks[3], d, dims.h), "w_gu": w(ks[4], 2 * dims.f, d), "w_d": w(ks[5], d, dims.f)}
 
 
 def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: Any = None) -> jax.Array:
