@@ -137,6 +137,46 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
     return jax.lax.scan(layer, x_D.astype(jnp.float32), p)[0]
 
 
+def arrive(flags: Any, pid: Any, done: Any) -> None:
+    """This program has finished `done` stages: flags[pid] = done once all its threads' stores are
+    issued (an atomic exchange: release semantics, and harmless from any number of threads)."""
+    pltriton.debug_barrier()
+    pltriton.atomic_xchg(flags, pid, done)
+
+
+def wait(flags: Any, pid: Any, done: Any) -> None:
+    """Spin until every program has finished `done` stages (padding flags hold int32 max)."""
+
+    def low() -> jax.Array:
+        return jnp.min(pltriton.load(flags.at[pl.ds(0, flags.shape[0])], volatile=True))
+
+    jax.lax.while_loop(lambda v: v < done, lambda _: low(), low())
+    pltriton.atomic_add(flags, pid, 0)
+    pltriton.debug_barrier()
+
+
+def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]:
+    """GPU check of `arrive` / `wait`: in round r every program writes r * programs + pid, passes the
+    barrier and sums what all wrote; returns (sums [rounds, P], flags [P])."""
+    pp = next_pow2(programs)
+
+    def kernel(flags_in, vals_in, sums_in, flags, vals, sums):
+        pid = pl.program_id(0)
+        for r in range(rounds):
+            vals[r, pid] = (r * programs + pid).astype(jnp.float32)
+            arrive(flags, pid, r + 1)
+            wait(flags, pid, r + 1)
+            sums[r, pid] = jnp.sum(pltriton.load(vals.at[r, pl.ds(0, pp)], volatile=True))
+
+    state = [jnp.where(jnp.arange(pp) < programs, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32),
+             jnp.zeros((rounds, pp), jnp.float32), jnp.zeros((rounds, pp), jnp.float32)]
+    flags, _, sums = pl.pallas_call(
+        kernel, grid=(programs,), in_specs=[whole(s) for s in state], out_specs=[whole(s) for s in state],
+        out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state],
+        input_output_aliases={0: 0, 1: 1, 2: 2}, **call_options(False, num_warps=4, num_stages=1))(*state)
+    return sums[:, :programs], flags[:programs]
+
+
 def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: int, mode: str,
                   stage: str | None, depth: int) -> Any:
     """The kernel body: every stage of every layer with barriers (`stage` None), or one stage of
@@ -194,15 +234,18 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
 
             def step(i: Any, carry: tuple[tuple[jax.Array, ...], jax.Array]) -> tuple[tuple[jax.Array, ...], jax.Array]:
                 ahead, acc = carry  # the tiles of steps i .. i + depth - 1, loaded earlier
+                w = ahead[0] if depth else load(i)  # depth 0: as loaded here (Triton's pipeliner may hoist it)
                 cix, blk = jax.lax.rem(i, t.chunks), pid + jax.lax.div(i, t.chunks) * programs
-                acc = acc + jnp.sum(ahead[0].astype(jnp.float32) * prologue(cix)[None, :], axis=1)
+                acc = acc + jnp.sum(w.astype(jnp.float32) * prologue(cix)[None, :], axis=1)
                 last = cix == t.chunks - 1
 
                 @pl.when(last & (blk < t.blocks))
                 def _() -> None:
                     epilogue(blk, acc)
 
-                return (*ahead[1:], load(jnp.minimum(i + depth, steps - 1))), jnp.where(last, 0.0, acc)
+                if depth:
+                    ahead = (*ahead[1:], load(jnp.minimum(i + depth, steps - 1)))
+                return ahead, jnp.where(last, 0.0, acc)
 
             if first is None:
                 first = tuple(load(min(j, steps - 1)) for j in range(depth))
@@ -212,26 +255,14 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
             run_stage(stage, layer_ref[0], None)
             return
 
-        def arrive(done: Any) -> None:
-            pltriton.debug_barrier()  # every thread's stores issued before this program says it is done
-            pltriton.atomic_xchg(flags, pid, done)  # release (the same value from any thread that runs it)
-
-        def wait(done: Any) -> None:
-            def low() -> jax.Array:  # the fewest stages any program has finished (padding holds int32 max)
-                return jnp.min(pltriton.load(flags.at[pl.ds(0, flags.shape[0])], volatile=True))
-
-            jax.lax.while_loop(lambda v: v < done, lambda _: low(), low())
-            pltriton.atomic_add(flags, pid, 0)  # acquire: the other programs' stores are visible
-            pltriton.debug_barrier()
-
         def layer_body(layer: Any, _: Any) -> Any:
             for s, name in enumerate(STAGES):
                 k = layer * len(STAGES) + s  # stages every program must have finished first
                 load = tile_loader(name, layer)
                 first = tuple(load(j) for j in range(depth)) if mode == "persistent" else None
-                wait(k)
+                wait(flags, pid, k)
                 run_stage(name, layer, first)
-                arrive(k + 1)
+                arrive(flags, pid, k + 1)
             return _
 
         jax.lax.fori_loop(0, layers, layer_body, 0)
@@ -296,6 +327,15 @@ def main() -> None:
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "sms": sms, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e9:.0f} GB/s",
           flush=True)
+    if gpu:
+        for k in args.per_sm:
+            sums, flags = barrier_check(k * sms)
+            r = jnp.arange(sums.shape[0])[:, None]
+            want = r * (k * sms) ** 2 + (k * sms) * (k * sms - 1) // 2
+            row = {"per_sm": k, "wrong_sums": int(jnp.sum(sums != want)),
+                   "flags_ok": bool(jnp.all(flags == sums.shape[0]))}
+            result.setdefault("barrier_check", []).append(row)
+            print("barrier check", result["barrier_check"][-1], flush=True)
     grid = [dict(zip(("per_sm", "tile_values", "depth", "num_stages"), c, strict=True))
             for c in itertools.product(args.per_sm, args.tile_values, args.depth, args.num_stages)]
     configs = [("xla", {})] if "xla" in args.modes else []
