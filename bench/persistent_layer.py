@@ -137,6 +137,16 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
     return jax.lax.scan(layer, x_D.astype(jnp.float32), p)[0]
 
 
+# How the programs of a persistent launch share data (module constants so that one process can try
+# each; see BENCHMARKS.md): WRITE "store" (plain stores) or "atomic" (exchanges: morally strong, so
+# coherent in either L2 partition); ACQUIRE "own" (after the spin, +0 on this program's own flag) or
+# "all" (+0 on every flag, acquiring each writer's release); READ "volatile" loads or "atomic" (+0).
+WRITE = "store"
+ACQUIRE = "own"
+READ = "volatile"
+SPIN_LIMIT = 1 << 22  # polls before a wait gives up (a wrong result, never a hung GPU)
+
+
 def arrive(flags: Any, pid: Any, done: Any) -> None:
     """This program has finished `done` stages: flags[pid] = done once all its threads' stores are
     issued (an atomic exchange: release semantics, and harmless from any number of threads)."""
@@ -146,13 +156,32 @@ def arrive(flags: Any, pid: Any, done: Any) -> None:
 
 def wait(flags: Any, pid: Any, done: Any) -> None:
     """Spin until every program has finished `done` stages (padding flags hold int32 max)."""
+    every = pl.ds(0, flags.shape[0])
 
     def low() -> jax.Array:
-        return jnp.min(pltriton.load(flags.at[pl.ds(0, flags.shape[0])], volatile=True))
+        return jnp.min(pltriton.load(flags.at[every], volatile=True))
 
-    jax.lax.while_loop(lambda v: v < done, lambda _: low(), low())
-    pltriton.atomic_add(flags, pid, 0)
+    jax.lax.while_loop(lambda c: (c[0] < done) & (c[1] < SPIN_LIMIT), lambda c: (low(), c[1] + 1), (low(), 0))
+    if ACQUIRE == "all":
+        pltriton.atomic_add(flags, every, jnp.zeros(flags.shape, flags.dtype))
+    else:
+        pltriton.atomic_add(flags, pid, 0)
     pltriton.debug_barrier()
+
+
+def write_shared(ref: Any, start: Any, value: jax.Array) -> None:
+    """ref[start:start + n] = value, for other programs of this launch to read."""
+    if WRITE == "atomic":
+        pltriton.atomic_xchg(ref, pl.ds(start, value.shape[0]), value)
+    else:
+        ref[pl.ds(start, value.shape[0])] = value
+
+
+def read_shared(ref: Any, start: Any, size: int) -> jax.Array:
+    """ref[start:start + size] as written by other programs of this launch (never a stale L1 line)."""
+    if READ == "atomic":
+        return pltriton.atomic_add(ref, pl.ds(start, size), jnp.zeros((size,), ref.dtype))
+    return pltriton.load(ref.at[pl.ds(start, size)], volatile=True)
 
 
 def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]:
@@ -163,22 +192,22 @@ def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]
     def kernel(flags_in, vals_in, sums_in, flags, vals, sums):
         pid = pl.program_id(0)
         for r in range(rounds):
-            vals[r, pid] = (r * programs + pid).astype(jnp.float32)
+            write_shared(vals, r * pp + pid, jnp.full((1,), r * programs + pid, jnp.float32))
             arrive(flags, pid, r + 1)
             wait(flags, pid, r + 1)
-            sums[r, pid] = jnp.sum(pltriton.load(vals.at[r, pl.ds(0, pp)], volatile=True))
+            sums[r * pp + pid] = jnp.sum(read_shared(vals, r * pp, pp))
 
     state = [jnp.where(jnp.arange(pp) < programs, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32),
-             jnp.zeros((rounds, pp), jnp.float32), jnp.zeros((rounds, pp), jnp.float32)]
+             jnp.zeros((rounds * pp,), jnp.float32), jnp.zeros((rounds * pp,), jnp.float32)]
     flags, _, sums = pl.pallas_call(
         kernel, grid=(programs,), in_specs=[whole(s) for s in state], out_specs=[whole(s) for s in state],
         out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state],
         input_output_aliases={0: 0, 1: 1, 2: 2}, **call_options(False, num_warps=4, num_stages=1))(*state)
-    return sums[:, :programs], flags[:programs]
+    return sums.reshape(rounds, pp)[:, :programs], flags[:programs]
 
 
 def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: int, mode: str,
-                  stage: str | None, depth: int) -> Any:
+                  stage: str | None, depth: int, unroll: bool) -> Any:
     """The kernel body: every stage of every layer with barriers (`stage` None), or one stage of
     the layer in `layer_ref` (phased)."""
     d, f = dims.d, dims.f
@@ -188,10 +217,7 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
         pid = pl.program_id(0)
         weights = {"in": w_in, "o": w_o, "gu": w_gu, "down": w_d}
 
-        def read(ref: Any, start: Any, size: int) -> jax.Array:
-            # volatile: written by other programs of this launch, so never from a stale L1 line
-            return pltriton.load(ref.at[pl.ds(start, size)], volatile=True)
-
+        read = read_shared
         def inv_rms(v: Any, bc: int) -> jax.Array:
             ss = jax.lax.fori_loop(0, d // bc, lambda c, s: s + jnp.sum(jnp.square(read(v, c * bc, bc))), 0.0)
             return jax.lax.rsqrt(ss / d + EPS)
@@ -222,15 +248,15 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
                 prologue = lambda c: jax.nn.silu(read(g, c * t.bc, t.bc)) * read(g, f + c * t.bc, t.bc)  # noqa: E731
 
             def epilogue(blk: Any, acc: jax.Array) -> None:
-                rows = pl.ds(blk * t.bo, t.bo)
+                start = blk * t.bo
                 if name == "in":
-                    a[rows] = acc
+                    write_shared(a, start, acc)
                 elif name == "o":
-                    y[rows] = read(x, blk * t.bo, t.bo) + acc
+                    write_shared(y, start, read(x, start, t.bo) + acc)
                 elif name == "gu":
-                    g[rows] = acc
+                    write_shared(g, start, acc)
                 else:
-                    x[rows] = read(y, blk * t.bo, t.bo) + acc
+                    write_shared(x, start, read(y, start, t.bo) + acc)
 
             def step(i: Any, carry: tuple[tuple[jax.Array, ...], jax.Array]) -> tuple[tuple[jax.Array, ...], jax.Array]:
                 ahead, acc = carry  # the tiles of steps i .. i + depth - 1, loaded earlier
@@ -247,6 +273,20 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
                     ahead = (*ahead[1:], load(jnp.minimum(i + depth, steps - 1)))
                 return ahead, jnp.where(last, 0.0, acc)
 
+            if unroll:  # chunks outer, each input chunk formed once; every tile load at a static step
+                rounds = steps // t.chunks
+                accs = [jnp.zeros((t.bo,), jnp.float32)] * rounds
+                for cix in range(t.chunks):
+                    x_c = prologue(cix)
+                    for r in range(rounds):
+                        i = r * t.chunks + cix
+                        w = first[i] if first is not None and i < len(first) else load(i)
+                        accs[r] = accs[r] + jnp.sum(w.astype(jnp.float32) * x_c[None, :], axis=1)
+                for r in range(rounds):
+                    @pl.when(pid + r * programs < t.blocks)
+                    def _(r: int = r) -> None:
+                        epilogue(pid + r * programs, accs[r])
+                return
             if first is None:
                 first = tuple(load(min(j, steps - 1)) for j in range(depth))
             jax.lax.fori_loop(0, steps, step, (first, jnp.zeros((t.bo,), jnp.float32)))
@@ -271,11 +311,12 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
 
 
 def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: str, programs: int,
-                 tile_values: int = 8192, depth: int = 1, num_warps: int = 4, num_stages: int = 1,
-                 interpret: bool | None = None) -> jax.Array:
+                 tile_values: int = 8192, depth: int = 1, unroll: bool = False, num_warps: int = 4,
+                 num_stages: int = 1, interpret: bool | None = None) -> jax.Array:
     """The chain as Pallas (Triton) kernels: `mode` "persistent" / "no_prefetch" (one launch; GPU
     only) or "phased" (one launch per stage and layer); every program keeps the weight tiles of its
-    next `depth` steps in flight."""
+    next `depth` steps in flight (`unroll`: every stage's steps unrolled, chunk by chunk, and
+    `depth` only the tiles loaded before a barrier)."""
     layers = p["w_in"].shape[0]
     shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
     tiles = {name: tiling(o, c, programs, tile_values) for name, (o, c) in shapes.items()}
@@ -287,7 +328,7 @@ def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: s
     def call(stage: str | None, layer: jax.Array, st: list[jax.Array]) -> list[jax.Array]:
         operands = [layer, *weights, *st]
         return pl.pallas_call(
-            _chain_kernel(dims, tiles, programs, layers, mode, stage, depth), grid=(programs,),
+            _chain_kernel(dims, tiles, programs, layers, mode, stage, depth, unroll), grid=(programs,),
             in_specs=[whole(o) for o in operands], out_specs=[whole(s) for s in st],
             out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in st],
             input_output_aliases={len(weights) + 1 + i: i for i in range(len(st))},
@@ -309,12 +350,18 @@ def main() -> None:
     ap.add_argument("--tile-values", type=int, nargs="+", default=[8192], help="weights per tile (BO x BC)")
     ap.add_argument("--depth", type=int, nargs="+", default=[2], help="weight tiles each program keeps in flight")
     ap.add_argument("--num-stages", type=int, nargs="+", default=[1], help="Triton's software-pipelining stages")
+    ap.add_argument("--unroll", type=int, nargs="+", default=[0], help="1: stages unrolled chunk by chunk")
+    ap.add_argument("--protocol", nargs=3, metavar=("WRITE", "ACQUIRE", "READ"),
+                    help="how persistent programs share data (module constants WRITE, ACQUIRE, READ)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["xla", "phased", "no_prefetch", "persistent"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small shapes, 2 layers, interpret mode (CPU check)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu" and not args.smoke
+    global WRITE, ACQUIRE, READ
+    if args.protocol:
+        WRITE, ACQUIRE, READ = args.protocol
     dims = Dims() if not args.smoke else Dims(d=64, a=192, h=64, f=96)
     layers = args.layers if not args.smoke else 2
     sms = jax.devices()[0].core_count if gpu else 2
@@ -324,6 +371,7 @@ def main() -> None:
     nbytes = sum(int(v.nbytes) for k, v in p.items() if k.startswith("w_"))
     bw = copy_bandwidth(2.0 if gpu else 0.01)
     result: dict[str, Any] = {**machine(), "dims": dataclasses.asdict(dims), "layers": layers, "weight_bytes": nbytes,
+                              "protocol": {"write": WRITE, "acquire": ACQUIRE, "read": READ},
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "sms": sms, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e9:.0f} GB/s",
           flush=True)
@@ -336,8 +384,8 @@ def main() -> None:
                    "flags_ok": bool(jnp.all(flags == sums.shape[0]))}
             result.setdefault("barrier_check", []).append(row)
             print("barrier check", result["barrier_check"][-1], flush=True)
-    grid = [dict(zip(("per_sm", "tile_values", "depth", "num_stages"), c, strict=True))
-            for c in itertools.product(args.per_sm, args.tile_values, args.depth, args.num_stages)]
+    grid = [dict(zip(("per_sm", "tile_values", "depth", "num_stages", "unroll"), c, strict=True))
+            for c in itertools.product(args.per_sm, args.tile_values, args.depth, args.num_stages, args.unroll)]
     configs = [("xla", {})] if "xla" in args.modes else []
     configs += [(m, c) for c in grid for m in args.modes if m != "xla" and (gpu or m == "phased")]
     for mode, cfg in sorted(configs, key=lambda mc: mc[1].get("per_sm", 0)):  # more per SM (may not fit) last
