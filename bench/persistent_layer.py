@@ -169,9 +169,10 @@ def wait(flags: Any, pid: Any, done: Any) -> None:
     pltriton.debug_barrier()
 
 
-def write_shared(ref: Any, start: Any, value: jax.Array) -> None:
-    """ref[start:start + n] = value, for other programs of this launch to read."""
-    if WRITE == "atomic":
+def write_shared(ref: Any, start: Any, value: jax.Array, persistent: bool = True) -> None:
+    """ref[start:start + n] = value, for other programs of this launch to read (`persistent`; else
+    for the next launch: a plain store)."""
+    if WRITE == "atomic" and persistent:
         pltriton.atomic_xchg(ref, pl.ds(start, value.shape[0]), value)
     else:
         ref[pl.ds(start, value.shape[0])] = value
@@ -250,13 +251,13 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
             def epilogue(blk: Any, acc: jax.Array) -> None:
                 start = blk * t.bo
                 if name == "in":
-                    write_shared(a, start, acc)
+                    write_shared(a, start, acc, stage is None)
                 elif name == "o":
-                    write_shared(y, start, read(x, start, t.bo) + acc)
+                    write_shared(y, start, read(x, start, t.bo) + acc, stage is None)
                 elif name == "gu":
-                    write_shared(g, start, acc)
+                    write_shared(g, start, acc, stage is None)
                 else:
-                    write_shared(x, start, read(y, start, t.bo) + acc)
+                    write_shared(x, start, read(y, start, t.bo) + acc, stage is None)
 
             def step(i: Any, carry: tuple[tuple[jax.Array, ...], jax.Array]) -> tuple[tuple[jax.Array, ...], jax.Array]:
                 ahead, acc = carry  # the tiles of steps i .. i + depth - 1, loaded earlier
