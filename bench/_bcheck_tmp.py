@@ -4,8 +4,8 @@ import jax, numpy as np
 import bench.persistent_layer as m
 sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 4
 out = []
-for write, acquire, read in [("store", "own", "volatile"), ("store", "all", "volatile"), ("atomic", "own", "volatile"),
-                             ("atomic", "all", "volatile"), ("atomic", "all", "atomic")]:
+for write, acquire, read in [("store", "own", "plain"), ("store", "own", "volatile"), ("atomic", "all", "volatile"),
+                             ("store", "all", "plain")]:
     m.WRITE, m.ACQUIRE, m.READ = write, acquire, read
     for k in (1, 2):
         P = k * sms

@@ -140,10 +140,12 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
 # How the programs of a persistent launch share data (module constants so that one process can try
 # each; see BENCHMARKS.md): WRITE "store" (plain stores) or "atomic" (exchanges: morally strong, so
 # coherent in either L2 partition); ACQUIRE "own" (after the spin, +0 on this program's own flag) or
-# "all" (+0 on every flag, acquiring each writer's release); READ "volatile" loads or "atomic" (+0).
+# "all" (+0 on every flag, acquiring each writer's release); READ "plain" loads (every stage output
+# has its own buffer per layer, so no line of it is read before its barrier: nothing stale in L1),
+# "volatile" loads or "atomic" (+0).
 WRITE = "store"
 ACQUIRE = "own"
-READ = "volatile"
+READ = "plain"
 SPIN_LIMIT = 1 << 22  # polls before a wait gives up (a wrong result, never a hung GPU)
 
 
@@ -161,11 +163,13 @@ def wait(flags: Any, pid: Any, done: Any) -> None:
     def low() -> jax.Array:
         return jnp.min(pltriton.load(flags.at[every], volatile=True))
 
-    jax.lax.while_loop(lambda c: (c[0] < done) & (c[1] < SPIN_LIMIT), lambda c: (low(), c[1] + 1), (low(), 0))
+    seen, _ = jax.lax.while_loop(lambda c: (c[0] < done) & (c[1] < SPIN_LIMIT), lambda c: (low(), c[1] + 1),
+                                 (low(), 0))
+    zero = jnp.minimum(seen, 0)  # 0, but from the loop: an unused loop would be dropped as dead code
     if ACQUIRE == "all":
-        pltriton.atomic_add(flags, every, jnp.zeros(flags.shape, flags.dtype))
+        pltriton.atomic_add(flags, every, jnp.full(flags.shape, zero, flags.dtype))
     else:
-        pltriton.atomic_add(flags, pid, 0)
+        pltriton.atomic_add(flags, pid, zero)
     pltriton.debug_barrier()
 
 
@@ -182,7 +186,7 @@ def read_shared(ref: Any, start: Any, size: int) -> jax.Array:
     """ref[start:start + size] as written by other programs of this launch (never a stale L1 line)."""
     if READ == "atomic":
         return pltriton.atomic_add(ref, pl.ds(start, size), jnp.zeros((size,), ref.dtype))
-    return pltriton.load(ref.at[pl.ds(start, size)], volatile=True)
+    return pltriton.load(ref.at[pl.ds(start, size)], volatile=READ == "volatile")
 
 
 def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]:
@@ -214,13 +218,13 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
     d, f = dims.d, dims.f
 
     def kernel(layer_ref, n1, n2, w_in, w_o, w_gu, w_d, *refs):
-        x, a, y, g, flags = refs[5:]  # the outputs (aliased to refs[:5]): state across stages
+        x, a, y, g, flags = refs[5:]  # the outputs (aliased to refs[:5]): x [(L + 1) D], a, y, g [L .], flat
         pid = pl.program_id(0)
         weights = {"in": w_in, "o": w_o, "gu": w_gu, "down": w_d}
-
         read = read_shared
-        def inv_rms(v: Any, bc: int) -> jax.Array:
-            ss = jax.lax.fori_loop(0, d // bc, lambda c, s: s + jnp.sum(jnp.square(read(v, c * bc, bc))), 0.0)
+
+        def inv_rms(v: Any, base: Any, bc: int) -> jax.Array:
+            ss = jax.lax.fori_loop(0, d // bc, lambda c, s: s + jnp.sum(jnp.square(read(v, base + c * bc, bc))), 0.0)
             return jax.lax.rsqrt(ss / d + EPS)
 
         def tile_loader(name: str, layer: Any):
@@ -235,29 +239,30 @@ def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: i
 
         def run_stage(name: str, layer: Any, first: jax.Array | None) -> None:
             t = tiles[name]
+            xb, ab, yb, gb = layer * d, layer * dims.a, layer * d, layer * 2 * f  # this layer's buffers
             load = tile_loader(name, layer)
             steps = -(-t.blocks // programs) * t.chunks
             if name == "in":
-                scale = inv_rms(x, t.bc)
-                prologue = lambda c: read(x, c * t.bc, t.bc) * scale * n1[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
+                scale = inv_rms(x, xb, t.bc)
+                prologue = lambda c: read(x, xb + c * t.bc, t.bc) * scale * n1[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
             elif name == "o":
-                prologue = lambda c: read(a, c * t.bc, t.bc)  # noqa: E731
+                prologue = lambda c: read(a, ab + c * t.bc, t.bc)  # noqa: E731
             elif name == "gu":
-                scale = inv_rms(y, t.bc)
-                prologue = lambda c: read(y, c * t.bc, t.bc) * scale * n2[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
+                scale = inv_rms(y, yb, t.bc)
+                prologue = lambda c: read(y, yb + c * t.bc, t.bc) * scale * n2[layer, pl.ds(c * t.bc, t.bc)]  # noqa: E731
             else:
-                prologue = lambda c: jax.nn.silu(read(g, c * t.bc, t.bc)) * read(g, f + c * t.bc, t.bc)  # noqa: E731
+                prologue = lambda c: jax.nn.silu(read(g, gb + c * t.bc, t.bc)) * read(g, gb + f + c * t.bc, t.bc)  # noqa: E731
 
             def epilogue(blk: Any, acc: jax.Array) -> None:
                 start = blk * t.bo
                 if name == "in":
-                    write_shared(a, start, acc, stage is None)
+                    write_shared(a, ab + start, acc, stage is None)
                 elif name == "o":
-                    write_shared(y, start, read(x, start, t.bo) + acc, stage is None)
+                    write_shared(y, yb + start, read(x, xb + start, t.bo) + acc, stage is None)
                 elif name == "gu":
-                    write_shared(g, start, acc, stage is None)
+                    write_shared(g, gb + start, acc, stage is None)
                 else:
-                    write_shared(x, start, read(y, start, t.bo) + acc, stage is None)
+                    write_shared(x, xb + d + start, read(y, yb + start, t.bo) + acc, stage is None)
 
             def step(i: Any, carry: tuple[tuple[jax.Array, ...], jax.Array]) -> tuple[tuple[jax.Array, ...], jax.Array]:
                 ahead, acc = carry  # the tiles of steps i .. i + depth - 1, loaded earlier
@@ -321,8 +326,9 @@ def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: s
     layers = p["w_in"].shape[0]
     shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
     tiles = {name: tiling(o, c, programs, tile_values) for name, (o, c) in shapes.items()}
-    state = [x_D.astype(jnp.float32), jnp.zeros((dims.a,), jnp.float32), jnp.zeros((dims.d,), jnp.float32),
-             jnp.zeros((2 * dims.f,), jnp.float32),
+    state = [jnp.zeros(((layers + 1) * dims.d,), jnp.float32).at[: dims.d].set(x_D.astype(jnp.float32)),
+             jnp.zeros((layers * dims.a,), jnp.float32), jnp.zeros((layers * dims.d,), jnp.float32),
+             jnp.zeros((layers * 2 * dims.f,), jnp.float32),
              jnp.where(jnp.arange(next_pow2(programs)) < programs, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32)]
     weights = [p["n1"], p["n2"], p["w_in"], p["w_o"], p["w_gu"], p["w_d"]]
 
@@ -339,8 +345,8 @@ def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: s
         for layer in range(layers):
             for name in STAGES:
                 state = call(name, jnp.full((1,), layer, jnp.int32), state)
-        return state[0]
-    return call(None, jnp.zeros((1,), jnp.int32), state)[0]
+        return state[0][layers * dims.d:]
+    return call(None, jnp.zeros((1,), jnp.int32), state)[0][layers * dims.d:]
 
 
 def main() -> None:
