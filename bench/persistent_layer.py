@@ -146,7 +146,7 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
 WRITE = "store"
 ACQUIRE = "own"
 READ = "plain"
-SPIN_LIMIT = 1 << 22  # polls before a wait gives up (a wrong result, never a hung GPU)
+SPIN_LIMIT = 1 << 16  # polls before a wait gives up: a wrong result (programs not all resident), never a hang
 
 
 def arrive(flags: Any, pid: Any, done: Any) -> None:
