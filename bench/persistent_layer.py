@@ -1,6 +1,7 @@
 """A persistent batch-1 decode chain: one kernel, grid-wide barriers, the next weights loaded first.
 
     python3 bench/persistent_layer.py --out bench/results/persistent_layer_h200.json   # the GPU run
+    python3 bench/persistent_layer.py --check-protocols --out /tmp/b.json             # the barrier alone
     python3 bench/persistent_layer.py --smoke --out /tmp/pl.json                      # CPU (interpret)
 
 Why: the batch-1 decode step is ~430 kernel launches, and each one spends microseconds filling
@@ -19,11 +20,16 @@ decode step's matrix-vector products, without the attention core):
 
 Every weight is stored [O, C] (rows contiguous); a stage's output is split into blocks of BO rows,
 dealt round-robin to the programs, each summing its rows over C in BC-wide tiles (no partial sums
-left for another launch; the next tile is loaded while the current one is summed). Modes:
+left for another launch; `--depth` tiles ahead in flight, or with `--unroll 1` every step unrolled
+chunk by chunk). Every stage writes its own per-layer buffer. Modes:
 
   persistent     one launch for all layers; P programs (`--per-sm` per SM); between stages each
-                 program arrives at an atomic counter, loads its first tile of the next stage, then
-                 spins until all P have arrived
+                 program sets its flag (`arrive`: an atomic exchange after a block-wide barrier),
+                 loads the first `--depth` tiles of the next stage, then spins until every flag
+                 says so (`wait`; then an acquiring atomic). The spin gives up after SPIN_LIMIT
+                 polls, so a grid larger than what fits on the GPU at once gives wrong results
+                 (and seconds per call), not a hang. `--check-protocols` checks the barrier alone
+                 (`barrier_check`) under the ways of sharing data in PROTOCOLS
   no_prefetch    the same, the first tile loaded after the wait
   phased         the same stage code, one launch per stage and layer (what a kernel-per-op decode
                  step does; the only mode interpret mode can run: a spin barrier needs every
@@ -211,6 +217,25 @@ def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]
     return sums.reshape(rounds, pp)[:, :programs], flags[:programs]
 
 
+PROTOCOLS = [("store", "own", "plain"), ("store", "own", "volatile"), ("atomic", "all", "volatile"),
+             ("store", "all", "plain")]
+
+
+def check_barrier(protocol: tuple[str, str, str], programs: int) -> dict[str, Any]:
+    """`barrier_check` under (WRITE, ACQUIRE, READ) = `protocol`: how many of its sums are wrong."""
+    global WRITE, ACQUIRE, READ
+    saved, (WRITE, ACQUIRE, READ) = (WRITE, ACQUIRE, READ), protocol
+    try:
+        sums, flags = jax.jit(functools.partial(barrier_check, programs))()
+    finally:
+        WRITE, ACQUIRE, READ = saved
+    rounds = jnp.arange(sums.shape[0])[:, None]
+    bad = sums != rounds * programs**2 + programs * (programs - 1) // 2
+    return {"protocol": dict(zip(("write", "acquire", "read"), protocol, strict=True)), "programs": programs,
+            "wrong_sums": int(bad.sum()), "of": int(bad.size), "wrong_by_round": bad.sum(1).tolist(),
+            "flags_ok": bool(jnp.all(flags == sums.shape[0]))}
+
+
 def _chain_kernel(dims: Dims, tiles: dict[str, Tiling], programs: int, layers: int, mode: str,
                   stage: str | None, depth: int, unroll: bool) -> Any:
     """The kernel body: every stage of every layer with barriers (`stage` None), or one stage of
@@ -360,6 +385,8 @@ def main() -> None:
     ap.add_argument("--unroll", type=int, nargs="+", default=[0], help="1: stages unrolled chunk by chunk")
     ap.add_argument("--protocol", nargs=3, metavar=("WRITE", "ACQUIRE", "READ"),
                     help="how persistent programs share data (module constants WRITE, ACQUIRE, READ)")
+    ap.add_argument("--check-protocols", action="store_true",
+                    help="only check the barrier under every protocol in PROTOCOLS (GPU)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=["xla", "phased", "no_prefetch", "persistent"])
     ap.add_argument("--reps", type=int, default=20)
@@ -383,14 +410,13 @@ def main() -> None:
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e9:.0f} GB/s",
           flush=True)
     if gpu:
-        for k in args.per_sm:
-            sums, flags = barrier_check(k * sms)
-            r = jnp.arange(sums.shape[0])[:, None]
-            want = r * (k * sms) ** 2 + (k * sms) * (k * sms - 1) // 2
-            row = {"per_sm": k, "wrong_sums": int(jnp.sum(sums != want)),
-                   "flags_ok": bool(jnp.all(flags == sums.shape[0]))}
-            result.setdefault("barrier_check", []).append(row)
-            print("barrier check", result["barrier_check"][-1], flush=True)
+        for protocol in PROTOCOLS if args.check_protocols else [(WRITE, ACQUIRE, READ)]:
+            for k in args.per_sm:
+                result.setdefault("barrier_check", []).append(check_barrier(protocol, k * sms))
+                print("barrier check", k, "per SM:", result["barrier_check"][-1], flush=True)
+        if args.check_protocols:
+            write_json(args.out, result)
+            return
     grid = [dict(zip(("per_sm", "tile_values", "depth", "num_stages", "unroll"), c, strict=True))
             for c in itertools.product(args.per_sm, args.tile_values, args.depth, args.num_stages, args.unroll)]
     configs = [("xla", {})] if "xla" in args.modes else []

@@ -4,6 +4,7 @@ decode-kernel / prefill scripts."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -167,3 +168,38 @@ def test_kda_bench_archives_triton_autotuning(tmp_path, monkeypatch):
         tar.extractall(tmp_path / "restored", filter="data")
     assert json.loads((tmp_path / "restored" / "BBB" / "chunk_kda_bwd_kernel_intra.autotune.json").read_text()) == {
         "key": "BBB"}
+
+
+@pytest.mark.parametrize(("depth", "unroll"), [(0, False), (2, False), (1, True)])
+def test_persistent_chain_stages_match_the_reference(depth, unroll):
+    """bench/persistent_layer.py's stage code (run one launch per stage: interpret mode cannot spin
+    at a barrier) gives the float32 chain: 3 programs over odd block counts (clamped loads, idle
+    programs in the last round) and several column tiles per row."""
+    from bench.persistent_layer import Dims, chain_pallas, chain_xla, random_chain, tiling
+
+    dims = Dims(d=64, a=192, h=64, f=96)
+    p = random_chain(jax.random.key(0), 2, dims)
+    x = jax.random.normal(jax.random.key(1), (dims.d,), jnp.float32)
+    ref = chain_xla(x, p, dims, precision=jax.lax.Precision.HIGHEST)
+    out = chain_pallas(x, p, dims, mode="phased", programs=3, tile_values=256, depth=depth, unroll=unroll,
+                       interpret=True)
+    assert rel_l2(out, ref) < 1e-5
+    shapes = ((dims.a, dims.d), (dims.d, dims.h), (2 * dims.f, dims.d), (dims.d, dims.f))
+    tiles = [tiling(o, c, 3, 256) for o, c in shapes]
+    assert any(t.chunks > 1 for t in tiles) and any(t.blocks % 3 for t in tiles)  # what the case is meant to cover
+
+
+def test_persistent_kernels_keep_their_spin_loop(h200_lowering, monkeypatch, capsys):
+    """The barrier's spin loop survives lowering to Triton (its result feeds the acquiring atomic:
+    a loop whose result is unused is dropped as dead code, and the barrier with it)."""
+    import bench.persistent_layer as pl_bench
+
+    monkeypatch.setattr(pl_bench.pl, "pallas_call", functools.partial(pl_bench.pl.pallas_call, debug=True))
+    h200_lowering(lambda: pl_bench.barrier_check(8, rounds=2))
+    printed = capsys.readouterr().out
+    assert printed.count("scf.while") == 2 and "tt.atomic_rmw exch" in printed
+    dims, sd = pl_bench.Dims(d=64, a=192, h=64, f=96), jax.ShapeDtypeStruct
+    p = {k: sd(v.shape, v.dtype) for k, v in pl_bench.random_chain(jax.random.key(0), 2, dims).items()}
+    h200_lowering(functools.partial(pl_bench.chain_pallas, dims=dims, mode="persistent", programs=8, interpret=False),
+                  sd((dims.d,), jnp.float32), p)
+    assert capsys.readouterr().out.count("scf.while") == len(pl_bench.STAGES)  # one per stage of the layer loop
