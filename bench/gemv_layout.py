@@ -17,6 +17,9 @@ call's median / calls; with `--trace DIR` also the kernels' device time per inst
             writes its BO outputs (no partial sums); the name gives BO, BCH, warps, stages
   xla       XLA's x @ w, and x @ w_t.T on the transposed weight
   read      XLA's float32 sum of w: a read-only stream of the same bytes, the ceiling
+  mgpu/...  JAX's Hopper matmul (Mosaic GPU; `mgpu_gemv`) on x padded to 64 rows: a persistent
+            program per SM streaming the weight by TMA through a ring of shared-memory buffers
+            (what a persistent decode kernel's weight stream would be); name: tile_n, tile_k, ring
 
 and the copy bandwidth the decode benchmark's floor uses (`bench.common.copy_bandwidth`, XLA's copy
 of 2 GiB timed on the device) against a bf16 `a * 2` pass (what that floor used until 2026-12-03),
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +52,9 @@ from ling_jax.ops.pallas_gpu import call_options, whole
 ROW_TILES = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
              (32, 256, 8, 4), (64, 128, 4, 4), (4, 512, 4, 4)]
 SHAPES = {"kda_in_proj": (1536, 10240), "kda_o_proj": (2048, 1536), "dense_gate_up": (1536, 9216)}
+# (tile_n, tile_k, pipeline steps in flight) of JAX's Hopper matmul (Mosaic GPU) with the row padded to 64
+# (each ring fits the 227 KB of shared memory: steps x (64 x tile_k + tile_k x 2 tile_n) x 2 bytes)
+MGPU_TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (32, 128, 6), (128, 64, 4), (32, 64, 8), (64, 32, 8)]
 
 
 def rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int, bch: int, warps: int, stages: int,
@@ -73,6 +80,23 @@ def rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int, bch: int, warps: int,
         **call_options(interpret, num_warps=warps, num_stages=stages))(x_C, w_OC)
 
 
+def mgpu_gemv(x_C: jax.Array, w_CO: jax.Array, *, tile_n: int, tile_k: int, steps: int,
+              interpret: bool = False) -> jax.Array:
+    """x [C] @ w [C, O] -> [O] float32 by JAX's Hopper matmul (`hopper_matmul_mgpu`: one persistent
+    program per SM, TMA copies of the weight tiles into a ring of `steps` shared-memory buffers, a
+    producer warpgroup and two consumer warpgroups; wgmma on x padded to the 64 rows it needs)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    a = jnp.zeros((64, x_C.shape[0]), w_CO.dtype).at[0].set(x_C.astype(w_CO.dtype))
+    config = hm.TuningConfig(tile_m=64, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps,
+                             epi_tile_n=min(64, tile_n), epi_tile_m=64)
+    if not interpret:
+        return hm.matmul(a, w_CO, None, config)[0].astype(jnp.float32)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return hm.matmul(a, w_CO, None, config)[0].astype(jnp.float32)
+
+
 def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int, logdir: str | None) -> dict[str, float]:
     """us per instance: wall (median of reps) and, with a trace dir, device kernel time (3 traced calls)."""
     f = jax.jit(lambda *a: [fn(*xs) for xs in zip(*a, strict=True)])
@@ -85,7 +109,7 @@ def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int, logdir: st
 
 
 def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: bool,
-                logdir: str | None) -> dict[str, Any]:
+                logdir: str | None, only: str | None = None) -> dict[str, Any]:
     kx, kw = jax.random.split(jax.random.key(c * o))
     xs = [jax.random.normal(k, (c,), jnp.bfloat16) for k in jax.random.split(kx, calls)]
     ws = [jax.random.normal(k, (c, o), jnp.bfloat16) * 0.02 for k in jax.random.split(kw, calls)]
@@ -107,12 +131,23 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
         if o % bo == 0 and c % bch == 0:
             fns[f"rows/{bo}x{bch}/w{warps}/s{stages}"] = (
                 functools.partial(rows_gemv, bo=bo, bch=bch, warps=warps, stages=stages, interpret=interpret), wts)
+    for tn, tk, steps in MGPU_TILES:
+        if o % (2 * tn) == 0 and c % tk == 0:
+            fns[f"mgpu/{tn}x{tk}/s{steps}"] = (
+                functools.partial(mgpu_gemv, tile_n=tn, tile_k=tk, steps=steps, interpret=interpret), ws)
     nbytes = c * o * 2
     rows = []
     for label, (fn, weights) in fns.items():
-        out = jax.jit(fn)(xs[0], weights[0])
-        err = None if label == "read" else float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-        t = _time(fn, (xs, weights), calls, reps, logdir and f"{logdir}/{name}_{label.replace('/', '_')}")
+        if only and not re.search(only, label):
+            continue
+        try:
+            out = jax.jit(fn)(xs[0], weights[0])
+            err = None if label == "read" else float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            t = _time(fn, (xs, weights), calls, reps, logdir and f"{logdir}/{name}_{label.replace('/', '_')}")
+        except Exception as e:  # a tiling this GPU cannot run is a result, not the end of the run
+            rows.append({"impl": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"{name:14s} [{c}, {o}] {label:22s} failed: {rows[-1]['error'][:160]}", flush=True)
+            continue
         us = t.get("device_us", t["wall_us"])
         rows.append({"impl": label, **t, "GBps": nbytes / us / 1e3, "rel_l2_vs_f32": err})
         dev = t.get("device_us", float("nan"))
@@ -153,16 +188,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--trace", metavar="DIR", help="also time every kernel on the device (jax.profiler traces here)")
     ap.add_argument("--smoke", action="store_true", help="small shapes, interpret mode (CPU check of the script)")
+    ap.add_argument("--only", metavar="REGEX", help="only the implementations whose label matches")
+    ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth passes")
     args = ap.parse_args()
     interpret = args.smoke or jax.default_backend() != "gpu"
     shapes = {"small": (256, 512)} if args.smoke else SHAPES
     calls, reps = (2, 2) if args.smoke else (args.calls, args.reps)
-    result: dict[str, Any] = {**machine(), "calls_per_jit": calls, "reps": reps,
-                              "copy": copy_rates(0.01 if args.smoke else 2.0, args.trace), "runs": []}
-    print(result["copy"], flush=True)
+    result: dict[str, Any] = {**machine(), "calls_per_jit": calls, "reps": reps, "runs": []}
+    if not args.no_copy:
+        result["copy"] = copy_rates(0.01 if args.smoke else 2.0, args.trace)
+        print(result["copy"], flush=True)
     for name, (c, o) in shapes.items():
-        result["runs"].append(bench_shape(name, c, o, calls, reps, interpret, args.trace))
-    write_json(args.out, result)
+        result["runs"].append(bench_shape(name, c, o, calls, reps, interpret, args.trace, args.only))
+        write_json(args.out, result)  # after every shape: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":
