@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,9 @@ def mgpu_gemv(x_C: jax.Array, w_CO: jax.Array, *, tile_n: int, tile_k: int, step
                              epi_tile_n=min(64, tile_n), epi_tile_m=64)
     if not interpret:
         return hm.matmul(a, w_CO, None, config)[0].astype(jnp.float32)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    # the interpreter, on 4 simulated SMs (`get_num_sms` asks the device, which a CPU cannot answer)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()), \
+            mock.patch.object(hm, "get_num_sms", return_value=4):
         return hm.matmul(a, w_CO, None, config)[0].astype(jnp.float32)
 
 
