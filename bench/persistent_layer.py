@@ -143,12 +143,12 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
     return jax.lax.scan(layer, x_D.astype(jnp.float32), p)[0]
 
 
-# How the programs of a persistent launch share data (module constants so that one process can try
-# each; see BENCHMARKS.md): WRITE "store" (plain stores) or "atomic" (exchanges: morally strong, so
-# coherent in either L2 partition); ACQUIRE "own" (after the spin, +0 on this program's own flag) or
-# "all" (+0 on every flag, acquiring each writer's release); READ "plain" loads (every stage output
-# has its own buffer per layer, so no line of it is read before its barrier: nothing stale in L1),
-# "volatile" loads or "atomic" (+0).
+# How the programs of a persistent launch share data (module constants, so that `--check-protocols`
+# can try each): WRITE "store" (plain stores) or "atomic" (exchanges); ACQUIRE "own" (after the
+# spin, +0 on this program's own flag) or "all" (+0 on every flag at once: a vector atomic, which
+# the H200 check found broken); READ "plain" loads (every stage output has its own buffer per layer,
+# so no line of it is read before its barrier: nothing stale in L1), "volatile" or "atomic" (+0).
+# The defaults are what the check found exact (BENCHMARKS.md, "Decode", seventeenth session).
 WRITE = "store"
 ACQUIRE = "own"
 READ = "plain"
