@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile
-from ling_jax.ops.pallas_gpu import call_options, next_pow2, whole
+from ling_jax.ops.pallas_gpu import call_options, next_pow2, pow2_tile, whole
 
 EPS = 1e-6
 STAGES = ("in", "o", "gu", "down")
@@ -99,7 +99,9 @@ def tiling(o: int, c: int, programs: int, tile_values: int) -> Tiling:
     """The widest tile of ~`tile_values` weights whose row blocks deal out evenly over `programs`:
     BC the largest power of two <= 512 dividing C, BO the largest power of two <= tile_values / BC
     dividing O whose last round leaves at most 1/8 of the programs idle (else the smallest)."""
-    bc = next(t for t in (512, 256, 128, 64, 32, 16, 8) if c % t == 0)
+    bc = pow2_tile(c, 512, 8)
+    if bc is None:
+        raise ValueError(f"C={c} has no power-of-two tile of 8 to 512")
     candidates = [b for b in (64, 32, 16, 8, 4, 2, 1) if b * bc <= tile_values and o % b == 0]
     for bo in candidates:
         blocks = o // bo
