@@ -110,13 +110,31 @@ def hlo_copies(hlo_dir: str, top: int = 15, module_re: str | None = None) -> lis
     return sorted(seen.values(), key=lambda r: -r["MB"] * r["count"])[:top]
 
 
+def _span_ns(events: list[tuple[str, int, int, Any]], calls: int) -> int:
+    """Summed first-start-to-last-end spans of `calls` groups of kernels, split at the longest gaps."""
+    if not events:
+        return 0
+    ev = sorted(events, key=lambda x: x[1])
+    end, gaps = ev[0][2], []
+    for i, (_, s, e, _) in enumerate(ev[1:], 1):
+        gaps.append((s - end, i))
+        end = max(end, e)
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:calls - 1])
+    total = 0
+    for lo, hi in zip([0, *cuts], [*cuts, len(ev)], strict=True):
+        total += max(e for _, _, e, _ in ev[lo:hi]) - ev[lo][1]
+    return total
+
+
 def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: int = 25,
                    hlo_dir: str | None = None, copies_module_re: str | None = None,
                    sequence: int = 0) -> dict[str, Any]:
     """Traces `calls` synchronised calls of fn() (call it once before, to compile) and summarises them.
 
     Returns wall seconds per call, device busy seconds per call (union of kernel intervals), the
-    number of kernels per call, and the `top` kernels by total time with their count and mean.
+    device span per call (its first kernel's start to its last kernel's end; the calls are told
+    apart by the `calls - 1` longest gaps between kernels, where the host waited), the number of
+    kernels per call, and the `top` kernels by total time with their count and mean.
     With `sequence` > 0, also the first `sequence` kernels of the last call in launch order
     (name, microseconds, op path, gap in microseconds since the previous one ended): what one
     layer of a step launches, one kernel after another.
@@ -149,6 +167,7 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
         "wall_s_per_call": wall,
         "device_busy_s_per_call": _busy_ns(events) / 1e9 / calls,
         "kernel_time_s_per_call": sum(e - s for _, s, e, _ in events) / 1e9 / calls,
+        "span_s_per_call": _span_ns(events, calls) / 1e9 / calls,
         "kernels_per_call": len(events) / calls,
         "top_kernels": [{"name": n[:120], "op_path": name_path[n], "count_per_call": len(d) / calls,
                          "total_ms_per_call": sum(d) / 1e6 / calls, "mean_us": sum(d) / len(d) / 1e3}
