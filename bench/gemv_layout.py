@@ -20,6 +20,9 @@ call's median / calls; with `--trace DIR` also the kernels' device time per inst
   mgpu/...  JAX's Hopper matmul (Mosaic GPU; `mgpu_gemv`) on x padded to 64 rows: a persistent
             program per SM streaming the weight by TMA through a ring of shared-memory buffers
             (what a persistent decode kernel's weight stream would be); name: tile_n, tile_k, ring
+  mgpu_rows/...  `bench.pdl_chain.rows_gemv` on w [O, C]: 64 rows and a split of C per program, its
+            [64, tk] tiles by TMA through a ring, x as the 8-column operand of wgmma; name: tk,
+            ring depth, split (its partial sums and x's padding are XLA's, inside the timed call)
 
 and the copy bandwidth the decode benchmark's floor uses (`bench.common.copy_bandwidth`, XLA's copy
 of 2 GiB timed on the device) against a bf16 `a * 2` pass (what that floor used until 2026-12-03),
@@ -44,6 +47,7 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import pdl_chain
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile
 from ling_jax.ops import expert_gemv
@@ -52,10 +56,13 @@ from ling_jax.ops.pallas_gpu import call_options, whole
 # (BO rows per program, BCH columns per loop step, warps, pipeline stages)
 ROW_TILES = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
              (32, 256, 8, 4), (64, 128, 4, 4), (4, 512, 4, 4)]
-SHAPES = {"kda_in_proj": (1536, 10240), "kda_o_proj": (2048, 1536), "dense_gate_up": (1536, 9216)}
+SHAPES = {"kda_in_proj": (1536, 10240), "kda_o_proj": (2048, 1536), "dense_gate_up": (1536, 9216),
+          "dense_down": (4608, 1536)}
 # (tile_n, tile_k, pipeline steps in flight) of JAX's Hopper matmul (Mosaic GPU) with the row padded to 64
 # (each ring fits the 227 KB of shared memory: steps x (64 x tile_k + tile_k x 2 tile_n) x 2 bytes)
 MGPU_TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (32, 128, 6), (128, 64, 4), (32, 64, 8), (64, 32, 8)]
+# (tk, ring depth, split of C) of `bench.pdl_chain.rows_gemv` (Mosaic GPU: w [O, C] by TMA, x as wgmma's N = 8)
+MGPU_ROW_TILES = [(128, 4, 1), (128, 4, 2), (256, 4, 2), (128, 4, 4), (256, 3, 1), (128, 6, 2)]
 
 
 def rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int, bch: int, warps: int, stages: int,
@@ -100,6 +107,12 @@ def mgpu_gemv(x_C: jax.Array, w_CO: jax.Array, *, tile_n: int, tile_k: int, step
         return hm.matmul(a, w_CO, None, config)[0].astype(jnp.float32)
 
 
+def mgpu_rows(x_C: jax.Array, w_OC: jax.Array, **kw: Any) -> jax.Array:
+    """x [C] @ w_t [O, C].T -> [O] float32 by `bench.pdl_chain.rows_gemv` (x placed as row 0 of 8)."""
+    x_8C = jnp.zeros((pdl_chain.X_COLS, x_C.shape[0]), w_OC.dtype).at[0].set(x_C.astype(w_OC.dtype))
+    return pdl_chain.rows_gemv(x_8C, w_OC, pdl="off", **kw)[:, :, 0].sum(0)
+
+
 def _time(fn: Callable[..., Any], args: tuple, calls: int, reps: int, logdir: str | None) -> dict[str, float]:
     """us per instance: wall (median of reps) and, with a trace dir, device kernel time (3 traced calls)."""
     f = jax.jit(lambda *a: [fn(*xs) for xs in zip(*a, strict=True)])
@@ -138,6 +151,10 @@ def bench_shape(name: str, c: int, o: int, calls: int, reps: int, interpret: boo
         if o % (2 * tn) == 0 and c % tk == 0:
             fns[f"mgpu/{tn}x{tk}/s{steps}"] = (
                 functools.partial(mgpu_gemv, tile_n=tn, tile_k=tk, steps=steps, interpret=interpret), ws)
+    for tk, depth, split in MGPU_ROW_TILES:
+        if o % pdl_chain.ROWS == 0 and c % (tk * split) == 0:
+            fns[f"mgpu_rows/{tk}/d{depth}/s{split}"] = (functools.partial(
+                mgpu_rows, tk=tk, depth=depth, split=split, interpret=interpret), wts)
     nbytes = c * o * 2
     rows = []
     for label, (fn, weights) in fns.items():

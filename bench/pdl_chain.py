@@ -155,21 +155,40 @@ def chain(h_D: jax.Array, p: dict[str, jax.Array], *, impl: str, cfg: dict[str, 
     layers, f = p["w_gu"].shape[0], p["w_d"].shape[2]
     idx = jnp.zeros((1,), jnp.int32)
 
-    def product(x: jax.Array, w_OC: jax.Array, w_CO: jax.Array | None) -> jax.Array:
+    def product(x: jax.Array, w_OC: jax.Array, stack_LCO: jax.Array | None, layer: int) -> jax.Array:
         if impl == "xla":
             return jnp.dot(w_OC, x, preferred_element_type=jnp.float32, precision=precision)
-        if impl == "triton":
-            return expert_gemv.gathered_products(x[None], idx, (w_CO[None],), interpret=interpret)[0][0]
+        if impl == "triton":  # as the decode step: the layer's weight read from its stack in place
+            return expert_gemv.gathered_products(x[None], idx + layer, (stack_LCO,), interpret=interpret)[0][0]
         x_8C = jnp.zeros((X_COLS, x.shape[0]), x.dtype).at[0].set(x)
         return rows_gemv(x_8C, w_OC, interpret=interpret, **(cfg or {}))[:, :, 0].sum(0)
 
     for i in range(layers):
         w_gu, w_d = p["w_gu"][i], p["w_d"][i]
-        t = (p["w_gu_t"][i], p["w_d_t"][i]) if impl == "triton" else (None, None)
-        g = product(_norm(h_D, p["n"][i]).astype(w_gu.dtype), w_gu, t[0])
+        g = product(_norm(h_D, p["n"][i]).astype(w_gu.dtype), w_gu, p.get("w_gu_t"), i)
         u = (jax.nn.silu(g[:f]) * g[f:]).astype(w_d.dtype)
-        h_D = h_D + product(u, w_d, t[1])
+        h_D = h_D + product(u, w_d, p.get("w_d_t"), i)
     return h_D
+
+
+def independent(h_D: jax.Array, p: dict[str, jax.Array], *, cfg: dict[str, Any] | None = None, interpret: bool = False,
+                reference: bool = False) -> jax.Array:
+    """The chain's 2L products, all of one input (h, cut or zero-padded to each weight's C), summed
+    at the end: no kernel waits for another's output, so with `pdl` = "launch" each may start and
+    ask for its weights while the one before it runs, and XLA launches nothing in between. What PDL
+    can overlap at most. `reference`: the same by XLA in float32."""
+    total = jnp.zeros(h_D.shape, jnp.float32)
+    for i in range(p["w_gu"].shape[0]):
+        for w_OC in (p["w_gu"][i], p["w_d"][i]):
+            o, c = w_OC.shape
+            x_C = jnp.zeros((c,), w_OC.dtype).at[:min(c, h_D.shape[0])].set(h_D[:c].astype(w_OC.dtype))
+            if reference:
+                y_O = jnp.dot(w_OC.astype(jnp.float32), x_C.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+            else:
+                x_8C = jnp.zeros((X_COLS, c), w_OC.dtype).at[0].set(x_C)
+                y_O = rows_gemv(x_8C, w_OC, interpret=interpret, **(cfg or {}))[:, :, 0].sum(0)
+            total = total + y_O[:h_D.shape[0]]
+    return total
 
 
 def main() -> None:
@@ -180,7 +199,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, nargs="+", default=[4])
     ap.add_argument("--split", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--pdl", nargs="+", default=list(PDL_MODES), choices=PDL_MODES)
-    ap.add_argument("--impls", nargs="+", default=["xla", "triton", "rows"])
+    ap.add_argument("--impls", nargs="+", default=["xla", "triton", "rows"],
+                    help="rows_independent: the products of one input (`independent`), no chain")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, the interpreter (CPU check)")
     args = ap.parse_args()
@@ -193,20 +213,25 @@ def main() -> None:
     if "triton" in args.impls:
         p |= {"w_gu_t": jnp.swapaxes(p["w_gu"], 1, 2), "w_d_t": jnp.swapaxes(p["w_d"], 1, 2)}
     h = jax.random.normal(jax.random.key(1), (dims.d,), jnp.float32)
-    ref = jax.jit(functools.partial(chain, impl="xla", precision=lax.Precision.HIGHEST))(h, p)
+    refs = {"chain": jax.jit(functools.partial(chain, impl="xla", precision=lax.Precision.HIGHEST))(h, p),
+            "independent": jax.jit(functools.partial(independent, reference=True))(h, p)}
     nbytes = sum(int(p[k].nbytes) for k in ("w_gu", "w_d"))
     bw = copy_bandwidth(2.0 if gpu else 0.01)
     result: dict[str, Any] = {**machine(), "dims": dataclasses.asdict(dims), "layers": layers, "weight_bytes": nbytes,
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us", flush=True)
-    configs: list[tuple[str, dict[str, Any]]] = [(i, {}) for i in args.impls if i != "rows"]
-    if "rows" in args.impls:
-        configs += [("rows", dict(zip(("tk", "depth", "split", "pdl"), c, strict=True)))
-                    for c in itertools.product(args.tk, args.depth, args.split, args.pdl)]
+    configs: list[tuple[str, dict[str, Any]]] = [(i, {}) for i in args.impls if i in ("xla", "triton")]
+    for impl in ("rows", "rows_independent"):
+        if impl in args.impls:
+            configs += [(impl, dict(zip(("tk", "depth", "split", "pdl"), c, strict=True)))
+                        for c in itertools.product(args.tk, args.depth, args.split, args.pdl)]
     for impl, cfg in configs:
         row: dict[str, Any] = {"impl": impl, **cfg}
         try:
-            fn = jax.jit(functools.partial(chain, impl=impl, cfg=cfg, interpret=not gpu))
+            if impl == "rows_independent":
+                fn, ref = jax.jit(functools.partial(independent, cfg=cfg, interpret=not gpu)), refs["independent"]
+            else:
+                fn, ref = jax.jit(functools.partial(chain, impl=impl, cfg=cfg, interpret=not gpu)), refs["chain"]
             out = fn(h, p)
             row["rel_l2_vs_f32"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             wall = median_time(lambda fn=fn: fn(h, p), reps=args.reps if gpu else 1, warmup=3 if gpu else 0)
@@ -219,9 +244,12 @@ def main() -> None:
             span = prof["span_s_per_call"]
             row |= {"span_us": span * 1e6, "kernel_sum_us": prof["kernel_time_s_per_call"] * 1e6,
                     "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / span / 1e9,
-                    "x_floor": span / (nbytes / bw)}
+                    "x_floor": span / (nbytes / bw),
+                    "top_kernels": [{k: r[k] for k in ("name", "count_per_call", "mean_us")}
+                                    for r in prof["top_kernels"]]}
         result["runs"].append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                       if k != "top_kernels"), flush=True)
         write_json(args.out, result)  # after every row: a run cut short keeps what it measured
 
 

@@ -214,3 +214,33 @@ def test_gemv_layout_mgpu_variant_is_the_product():
     w = jax.random.normal(jax.random.key(1), (256, 512), jnp.bfloat16) * 0.02
     out = mgpu_gemv(x, w, tile_n=64, tile_k=64, steps=4, interpret=True)
     assert rel_l2(out, x.astype(jnp.float32) @ w.astype(jnp.float32)) < 4e-3  # the output is bf16
+
+
+@pytest.mark.parametrize(("split", "pdl"), [(1, "off"), (2, "launch")])
+def test_pdl_chain_row_gemv_is_the_product(split, pdl):
+    """bench/pdl_chain.py's Mosaic-GPU row gemv (w [O, C] by TMA through a 2-slot ring, x as wgmma's
+    8-column operand) gives w @ x in the Mosaic-GPU interpreter: 3 ring steps per program (the
+    refill path), 2 row blocks, C split in 1 and 2; column 0 holds the product, the rest zero."""
+    from bench.pdl_chain import X_COLS, rows_gemv
+
+    o, c = 128, 3 * 64 * split
+    x = jax.random.normal(jax.random.key(0), (c,), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (o, c), jnp.bfloat16)
+    x_8C = jnp.zeros((X_COLS, c), x.dtype).at[0].set(x)
+    out = rows_gemv(x_8C, w, tk=64, depth=2, split=split, pdl=pdl, interpret=True)
+    assert out.shape == (split, o, X_COLS)
+    assert rel_l2(out[:, :, 0].sum(0), w.astype(jnp.float32) @ x.astype(jnp.float32)) < 1e-5
+    assert not jnp.any(out[:, :, 1:])
+    with pytest.raises(ValueError, match="multiple of"):
+        rows_gemv(x_8C, w[:100], tk=64, split=split, interpret=True)  # O not a multiple of 64 rows
+
+
+def test_device_profile_span_splits_calls_at_the_longest_gaps():
+    """The per-call span (first start to last end, calls told apart by the host's waits) counts the
+    gaps between one call's kernels and overlapping kernels once."""
+    from bench.device_profile import _span_ns
+
+    call = [("a", 0, 10, None), ("b", 12, 20, None), ("c", 15, 18, None)]  # c inside b: span 20
+    events = [(n, s + t, e + t, p) for t in (0, 1000, 5000) for n, s, e, p in call]
+    assert _span_ns(events, 3) == 60
+    assert _span_ns(events, 1) == 5020
