@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile
 from ling_jax.ops import expert_gemv
+from ling_jax.ops.pallas_gpu import call_options, whole
 
 EPS = 1e-6
 ROWS = 64  # wgmma's M: weight rows per program
@@ -129,6 +131,42 @@ def rows_gemv(x_8C: jax.Array, w_OC: jax.Array, *, tk: int = 128, depth: int = 4
         return call(x_8C, w_OC)
 
 
+def triton_rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int = 16, bch: int = 256, pdl: str = "off",
+                     interpret: bool = False) -> jax.Array:
+    """w [O, C] @ x -> [O] float32 in Pallas-Triton, every program summing BO whole rows in BCH-wide
+    steps, with (`pdl` != "off") `griddepcontrol.wait` by inline assembly after its first weight
+    tile is asked for and before x is read, and with "launch" `griddepcontrol.launch_dependents`
+    too: whether XLA launches a Triton kernel that does so with programmatic serialization."""
+    from jax.experimental.pallas import triton as pltriton
+
+    o, c = w_OC.shape
+    bch = math.gcd(bch, c)
+    asm = {"off": None, "wait": "griddepcontrol.wait;",
+           "launch": "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;"}[pdl]
+
+    def kernel(x_ref, w_ref, out_ref):
+        i = pl.program_id(0)
+        rows = pl.ds(i * bo, bo)
+        w0 = pltriton.load(w_ref.at[rows, pl.ds(0, bch)], eviction_policy="evict_first").astype(jnp.float32)
+        one = jnp.ones((bch,), jnp.float32)
+        if asm and not interpret:  # its result (ones) scales x, so x's reads cannot move above the wait
+            one = pltriton.elementwise_inline_asm(f"{asm}\n\tmov.b32 $0, $1;", args=[one + (i * 0).astype(jnp.float32)],
+                                                  constraints="=r,r", pack=1,
+                                                  result_shape_dtypes=[jax.ShapeDtypeStruct((bch,), jnp.float32)])[0]
+
+        def step(j: jax.Array, acc_O: jax.Array) -> jax.Array:
+            w_OK = pltriton.load(w_ref.at[rows, pl.ds(j * bch, bch)], eviction_policy="evict_first")
+            return acc_O + jnp.sum(w_OK.astype(jnp.float32) * (x_ref[pl.ds(j * bch, bch)] * one)[None, :], axis=1)
+
+        acc = jnp.sum(w0 * (x_ref[pl.ds(i * 0, bch)] * one)[None, :], axis=1)
+        out_ref[rows] = lax.fori_loop(1, c // bch, step, acc)
+
+    return pl.pallas_call(
+        kernel, grid=(o // bo,), in_specs=[whole(x_C), whole(w_OC)], out_specs=pl.BlockSpec((o,), lambda i: (0,)),
+        out_shape=jax.ShapeDtypeStruct((o,), jnp.float32),
+        **call_options(interpret, num_warps=4, num_stages=3))(x_C.astype(jnp.float32), w_OC)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """A dense decode layer's widths (Ling-3.0-tiny: hidden 1536, dense MLP 4608)."""
@@ -172,11 +210,11 @@ def chain(h_D: jax.Array, p: dict[str, jax.Array], *, impl: str, cfg: dict[str, 
 
 
 def independent(h_D: jax.Array, p: dict[str, jax.Array], *, cfg: dict[str, Any] | None = None, interpret: bool = False,
-                reference: bool = False) -> jax.Array:
+                reference: bool = False, triton: bool = False) -> jax.Array:
     """The chain's 2L products, all of one input (h, cut or zero-padded to each weight's C), summed
     at the end: no kernel waits for another's output, so with `pdl` = "launch" each may start and
     ask for its weights while the one before it runs, and XLA launches nothing in between. What PDL
-    can overlap at most. `reference`: the same by XLA in float32."""
+    can overlap at most. `reference`: the same by XLA in float32; `triton`: by `triton_rows_gemv`."""
     total = jnp.zeros(h_D.shape, jnp.float32)
     for i in range(p["w_gu"].shape[0]):
         for w_OC in (p["w_gu"][i], p["w_d"][i]):
@@ -184,6 +222,8 @@ def independent(h_D: jax.Array, p: dict[str, jax.Array], *, cfg: dict[str, Any] 
             x_C = jnp.zeros((c,), w_OC.dtype).at[:min(c, h_D.shape[0])].set(h_D[:c].astype(w_OC.dtype))
             if reference:
                 y_O = jnp.dot(w_OC.astype(jnp.float32), x_C.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+            elif triton:
+                y_O = triton_rows_gemv(x_C, w_OC, interpret=interpret, pdl=(cfg or {}).get("pdl", "off"))
             else:
                 x_8C = jnp.zeros((X_COLS, c), w_OC.dtype).at[0].set(x_C)
                 y_O = rows_gemv(x_8C, w_OC, interpret=interpret, **(cfg or {}))[:, :, 0].sum(0)
@@ -200,7 +240,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--pdl", nargs="+", default=list(PDL_MODES), choices=PDL_MODES)
     ap.add_argument("--impls", nargs="+", default=["xla", "triton", "rows"],
-                    help="rows_independent: the products of one input (`independent`), no chain")
+                    help="rows_independent, triton_independent: the products of one input (`independent`), no chain")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, the interpreter (CPU check)")
     args = ap.parse_args()
@@ -221,15 +261,19 @@ def main() -> None:
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us", flush=True)
     configs: list[tuple[str, dict[str, Any]]] = [(i, {}) for i in args.impls if i in ("xla", "triton")]
-    for impl in ("rows", "rows_independent"):
-        if impl in args.impls:
+    for impl in ("rows", "rows_independent", "triton_independent"):
+        if impl in args.impls and impl == "triton_independent":
+            configs += [(impl, {"pdl": m}) for m in args.pdl]
+        elif impl in args.impls:
             configs += [(impl, dict(zip(("tk", "depth", "split", "pdl"), c, strict=True)))
                         for c in itertools.product(args.tk, args.depth, args.split, args.pdl)]
     for impl, cfg in configs:
         row: dict[str, Any] = {"impl": impl, **cfg}
         try:
-            if impl == "rows_independent":
-                fn, ref = jax.jit(functools.partial(independent, cfg=cfg, interpret=not gpu)), refs["independent"]
+            if impl.endswith("_independent"):
+                fn = jax.jit(functools.partial(independent, cfg=cfg, interpret=not gpu,
+                                               triton=impl.startswith("triton")))
+                ref = refs["independent"]
             else:
                 fn, ref = jax.jit(functools.partial(chain, impl=impl, cfg=cfg, interpret=not gpu)), refs["chain"]
             out = fn(h, p)
