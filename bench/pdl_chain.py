@@ -10,7 +10,8 @@ BENCHMARKS.md "Decode"). PDL is the hardware's own answer: a kernel launched wit
 stream serialization may start while the kernel before it is still running, and blocks at
 `griddepcontrol.wait` only where it first reads that kernel's output. JAX's Mosaic GPU kernels
 expose it (`plgpu.griddepcontrol_wait`, `plgpu.griddepcontrol_launch_dependents`; a kernel that
-waits is marked `uses_pdl` and launched so). Pallas-Triton kernels cannot.
+waits is marked `uses_pdl`); a Pallas-Triton kernel can issue the same instructions by inline
+assembly (`triton_rows_gemv`), and XLA then launches it with PDL.
 
 `rows_gemv` is a matrix-vector product for that: w [O, C] (the checkpoint's layout), one program
 per 64 rows and per `split` of C, each streaming its [64, tk] weight tiles by TMA through a ring of
@@ -26,7 +27,9 @@ small XLA fusion before every weight read:
     u = bf16(silu(g[:F]) * g[F:])        (XLA)     h = h + w_d [D, F] @ u     (gemv, XLA add)
 
 with the products by XLA (`xla`), by the Pallas-Triton gemv the decode step uses (`triton`,
-`expert_gemv.gathered_products` on w [C, O]), and by `rows_gemv` with each `pdl` setting. Timed per
+`expert_gemv.gathered_products` on w [C, O], read from the layer stack in place), and by `rows_gemv`
+with each `pdl` setting. `rows_independent` / `triton_independent`: the same 2L products all of one
+input (`independent`), so that nothing but PDL orders them: the most PDL could overlap. Timed per
 chain: wall clock (median of warmed-up calls, `block_until_ready`) and, from a `jax.profiler` trace,
 the device span (first kernel start to last kernel end per call: with PDL kernels overlap, so
 summed kernel times would count the overlap twice) and the kernels' summed time.
