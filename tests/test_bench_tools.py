@@ -244,3 +244,19 @@ def test_device_profile_span_splits_calls_at_the_longest_gaps():
     events = [(n, s + t, e + t, p) for t in (0, 1000, 5000) for n, s, e, p in call]
     assert _span_ns(events, 3) == 60
     assert _span_ns(events, 1) == 5020
+
+
+def test_pdl_chain_triton_row_gemv_is_the_product_and_waits(h200_lowering):
+    """bench/pdl_chain.py's Pallas-Triton row gemv gives w @ x (interpret mode, C not a multiple of
+    its 256-wide step), and lowered for the H200 it carries `griddepcontrol` only when asked to."""
+    from bench.pdl_chain import triton_rows_gemv
+
+    x = jax.random.normal(jax.random.key(0), (192,), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 192), jnp.bfloat16)
+    out = triton_rows_gemv(x, w, pdl="launch", interpret=True)
+    assert rel_l2(out, w.astype(jnp.float32) @ x.astype(jnp.float32)) < 1e-5
+    sd = (jax.ShapeDtypeStruct((1536,), jnp.bfloat16), jax.ShapeDtypeStruct((256, 1536), jnp.bfloat16))
+    lowered = {m: h200_lowering(functools.partial(triton_rows_gemv, pdl=m), *sd) for m in ("off", "wait", "launch")}
+    assert "griddepcontrol" not in lowered["off"]
+    assert "griddepcontrol.wait" in lowered["wait"] and "launch_dependents" not in lowered["wait"]
+    assert "griddepcontrol.launch_dependents" in lowered["launch"]
