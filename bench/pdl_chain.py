@@ -264,12 +264,11 @@ def main() -> None:
                               "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "runs": []}
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB of weights, floor {nbytes / bw * 1e6:.1f} us", flush=True)
     configs: list[tuple[str, dict[str, Any]]] = [(i, {}) for i in args.impls if i in ("xla", "triton")]
-    for impl in ("rows", "rows_independent", "triton_independent"):
-        if impl in args.impls and impl == "triton_independent":
-            configs += [(impl, {"pdl": m}) for m in args.pdl]
-        elif impl in args.impls:
-            configs += [(impl, dict(zip(("tk", "depth", "split", "pdl"), c, strict=True)))
-                        for c in itertools.product(args.tk, args.depth, args.split, args.pdl)]
+    rows_grid = [dict(zip(("tk", "depth", "split", "pdl"), c, strict=True))
+                 for c in itertools.product(args.tk, args.depth, args.split, args.pdl)]
+    configs += [(i, c) for i in ("rows", "rows_independent") if i in args.impls for c in rows_grid]
+    if "triton_independent" in args.impls:
+        configs += [("triton_independent", {"pdl": m}) for m in args.pdl]
     for impl, cfg in configs:
         row: dict[str, Any] = {"impl": impl, **cfg}
         try:
