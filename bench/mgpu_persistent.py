@@ -1,0 +1,338 @@
+"""A persistent Mosaic-GPU weight stream over a decode chain: one launch, semaphore barriers, TMA ahead.
+
+    python3 bench/mgpu_persistent.py --out bench/results/mgpu_persistent_h200.json   # the GPU run
+    python3 bench/mgpu_persistent.py --smoke --out /tmp/mp.json                      # CPU (interpreter)
+
+Why: at batch 1 a decode step is a chain of matrix-vector products, each waiting for the one
+before, and launching one kernel per product leaves the weight stream idle while each kernel fills
+and drains the GPU (BENCHMARKS.md, "Decode": even a pure MLP chain of the step's own gemv runs at
+2x its HBM floor). A persistent Pallas-Triton kernel did not help (`bench/persistent_layer.py`):
+its programs cannot keep enough loads in flight across a barrier. Here every program is one
+warpgroup on its own SM that streams its weight tiles by TMA through a ring of `depth`
+shared-memory slots *across stage boundaries*: the weights do not depend on the activations, so
+the next stage's first tiles are in flight while the program waits at the grid-wide barrier (a
+global-memory semaphore, `plgpu.semaphore_signal` / `semaphore_wait` at GPU scope) and then loads
+the stage's input.
+
+The chain: `--layers` x the four weight reads of a Ling-3.0-tiny decode layer (the projections of
+`bench/persistent_layer.py`, same weights: w_in [A, D], w_o [D, H], w_gu [2F, D], w_d [D, F]),
+each stage taking the first C values of the stage before as its input; the elementwise work
+between them (norms, gates, residuals) is left out, so this measures the weight stream and its
+synchronisation alone. How a stage is split (`Stage`):
+
+  * its output rows in blocks of 64 (wgmma's M) and its C in `split` parts (a multiple of 8);
+    items (part, block), part-major, in contiguous runs per program (sizes differing by at most
+    one), each item `ksteps` tiles [64, tk]; a program's run spans a few parts, and only those
+    columns of the stage's input are loaded (`Stage.window`);
+  * an item's partial product goes to row `part` of the stage's output X [split, O] (bf16), so the
+    stage's value is the sum of X's rows. The next stage never adds them up: it multiplies its
+    weight tile by all N = split rows at once (X as wgmma's [N, tk] operand) and sums the
+    accumulator's N columns, which is W @ sum(X) in float32.
+
+Forms: `persistent` (all stages in one launch), `phased` (the same stage code, one launch per
+stage: what a kernel-per-op step does), `triton` (the decode step's Pallas-Triton gemv,
+`expert_gemv.gathered_products`, each layer's weight read from its [L, C, O] stack in place) and
+`xla` (jnp.dot on [O, C]). Times: the device span per chain from a `jax.profiler` trace
+(first kernel start to last kernel end) and the wall clock; floor = weight bytes / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import copy_bandwidth, machine, median_time, write_json
+from bench.device_profile import kernel_profile
+from bench.persistent_layer import STAGES, Dims, random_chain
+from ling_jax.ops import expert_gemv
+
+ROWS = 64  # wgmma's M: weight rows per item
+ROW_GROUP = 8  # X's rows (the partial sums) come in multiples of wgmma's smallest N
+WEIGHT = {"in": "w_in", "o": "w_o", "gu": "w_gu", "down": "w_d"}  # role -> `random_chain` key
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One weight read of the chain: w[role][layer] [O, C] times the first C values of its input X
+    [n, >= C] (n partial rows), C in `split` parts; output X' [split, O]."""
+
+    role: str
+    layer: int
+    o: int
+    c: int
+    split: int
+    n: int
+    tk: int
+
+    @property
+    def items(self) -> int:
+        return self.o // ROWS * self.split
+
+    @property
+    def part(self) -> int:
+        return self.c // self.split
+
+    @property
+    def ksteps(self) -> int:
+        return self.part // self.tk
+
+    def run(self, p: Any, programs: int) -> tuple[Any, Any]:
+        """Program p's items [start, end) (p a Python or traced int)."""
+        return p * self.items // programs, (p + 1) * self.items // programs
+
+    def window(self, programs: int) -> int:
+        """The most parts one program's run spans: the columns of the input it loads."""
+        blocks = self.o // ROWS
+        return max((end - 1) // blocks - start // blocks + 1
+                   for start, end in (self.run(p, programs) for p in range(programs)))
+
+
+def choose_split(o: int, c: int, programs: int, tk: int, max_split: int) -> int:
+    """The split of C (a multiple of ROW_GROUP, C / split a multiple of tk) whose items deal out most
+    evenly over `programs` (fewest rounds per mean round), the smaller on a tie."""
+    if o % ROWS:
+        raise ValueError(f"O={o} is not a multiple of {ROWS}")
+    cands = [s for s in range(ROW_GROUP, max_split + 1, ROW_GROUP) if c % (s * tk) == 0]
+    if not cands:
+        raise ValueError(f"C={c} has no split (a multiple of {ROW_GROUP} up to {max_split}) into multiples of tk={tk}")
+
+    def imbalance(s: int) -> float:
+        items = o // ROWS * s
+        return math.ceil(items / programs) / (items / programs)
+
+    return min(cands, key=lambda s: (round(imbalance(s), 6), s))
+
+
+def plan(dims: Dims, layers: int, programs: int, tk: int = 64, max_split: int = 24) -> list[Stage]:
+    """The chain's stages, each split for `programs`; the first reads an X of ROW_GROUP rows."""
+    shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
+    stages, n = [], ROW_GROUP
+    for layer, role in itertools.product(range(layers), STAGES):
+        o, c = shapes[role]
+        split = choose_split(o, c, programs, tk, max_split)
+        stages.append(Stage(role, layer, o, c, split, n, tk))
+        n = split
+    return stages
+
+
+def chain_reference(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage]) -> list[jax.Array]:
+    """Every stage's X [split, O] as the kernel defines it (float32 products, bf16 partial rows)."""
+    outs, x_NC = [], x0_NC
+    for st in stages:
+        x_C = x_NC[:, :st.c].astype(jnp.float32).sum(0)
+        w_OSP = w[WEIGHT[st.role]][st.layer].astype(jnp.float32).reshape(st.o, st.split, st.part)
+        x_NC = jnp.einsum("osp,sp->so", w_OSP, x_C.reshape(st.split, st.part),
+                          precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
+        outs.append(x_NC)
+    return outs
+
+
+def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
+               interpret: bool = False) -> list[jax.Array]:
+    """All `stages` in one Mosaic-GPU launch of `programs` programs (one per SM: a barrier needs every
+    program resident), returning every stage's X. One stage: no barrier (the `phased` form)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tk = stages[0].tk
+    if any(st.tk != tk for st in stages) or tk % 64:
+        raise ValueError("chain_mgpu: every stage needs the same tk, a multiple of 64")
+    if len(stages) > 1 and min(st.items for st in stages) < programs:
+        raise ValueError(f"chain_mgpu: every stage needs at least {programs} items (one per program)")
+    barrier = len(stages) > 1 and programs > 1
+    # The fetch `depth` tiles ahead may land this many stages on (every program has >= min tiles per stage).
+    min_tiles = min(st.items // programs * st.ksteps for st in stages)
+    reach = 1 + -(-depth // max(min_tiles, 1))
+    swizzle = plgpu.find_swizzle(64 * 16)  # 64 bf16 per swizzled row: 128 bytes
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(swizzle))
+    windows = [st.window(programs) for st in stages]
+    x_shapes = sorted({(st.n, win * st.part) for st, win in zip(stages, windows, strict=True)})
+    roles = list(STAGES)
+
+    def body(x0_gmem, *refs):
+        w_gmem = dict(zip(roles, refs[:len(roles)], strict=True))
+        outs = refs[len(roles):len(roles) + len(stages)]
+        ring, x_union, out_smem, w_bars, x_bar, *sem = refs[len(roles) + len(stages):]
+        x_smem = dict(zip(x_shapes, x_union, strict=True))
+        p = lax.axis_index("p")
+        runs = [st.run(p, programs) for st in stages]  # this program's items
+        tiles = [(end - start) * st.ksteps for (start, end), st in zip(runs, stages, strict=True)]
+        base = [sum(tiles[:s], jnp.int32(0)) for s in range(len(stages))]  # flat index of a stage's first tile
+
+        def item_rows_part(s: int, j: Any) -> tuple[Any, Any]:  # the output block and part of item j
+            i = runs[s][0] + j
+            return i % (stages[s].o // ROWS), i // (stages[s].o // ROWS)
+
+        def fetch(s: int, l: Any) -> None:  # stage s's local tile l into ring slot (base + l) % depth
+            st = stages[s]
+            r, t = item_rows_part(s, l // st.ksteps)
+            slot = (base[s] + l) % depth
+            src = w_gmem[st.role].at[st.layer, pl.ds(r * ROWS, ROWS), pl.ds(t * st.part + (l % st.ksteps) * tk, tk)]
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], w_bars.at[slot])
+
+        def fetch_ahead(s: int, l: Any) -> None:  # local tile l of stage s, which may lie in a later stage
+            lo = jnp.int32(0)
+            for s2 in range(s, min(s + reach + 1, len(stages))):
+                @pl.when((l >= lo) & (l < lo + tiles[s2]))
+                def _fetch(s2=s2, lo=lo):
+                    fetch(s2, l - lo)
+                lo = lo + tiles[s2]
+
+        for l in range(depth):  # the first weight tiles before anything else
+            fetch_ahead(0, jnp.int32(l))
+        for s, st in enumerate(stages):
+            if barrier and s:  # every program's stage s-1 output is in GMEM before anyone reads it
+                plgpu.semaphore_signal(sem[0], 1, memory_scope="gpu")
+                plgpu.semaphore_wait(sem[0], s * programs, decrement=False, memory_scope="gpu")
+            x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
+            part0 = jnp.minimum(runs[s][0] // (st.o // ROWS), st.split - windows[s])
+            src = x0_gmem if s == 0 else outs[s - 1]
+            plgpu.copy_gmem_to_smem(src.at[:, pl.ds(part0 * st.part, windows[s] * st.part)], x_ref, x_bar)
+            plgpu.barrier_wait(x_bar)
+
+            @pl.loop(0, runs[s][1] - runs[s][0])
+            def _item(j, s=s, st=st, x_ref=x_ref, part0=part0):
+                r, t = item_rows_part(s, j)
+
+                def product(acc):
+                    @pl.loop(0, st.ksteps)
+                    def _k(k):
+                        l = j * st.ksteps + k
+                        slot = (base[s] + l) % depth
+                        plgpu.barrier_wait(w_bars.at[slot])
+                        plgpu.wgmma(acc, ring.at[slot], x_ref.at[:, pl.ds((t - part0) * st.part + k * tk, tk)].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        fetch_ahead(s, l + depth)
+
+                    return acc[...]
+
+                y = pl.run_scoped(product, plgpu.ACC((ROWS, st.n), jnp.float32)).sum(axis=1)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the buffer written two items ago is read
+                buf = out_smem.at[j % 2]
+                buf[...] = y.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, outs[s].at[t, pl.ds(r * ROWS, ROWS)])
+
+            plgpu.wait_smem_to_gmem(0)  # this stage's outputs are written (before the next barrier)
+
+    scratch = [plgpu.SMEM((depth, ROWS, tk), jnp.bfloat16, transforms=tiled),
+               plgpu.RefUnion(*[plgpu.SMEM(shape, jnp.bfloat16, transforms=tiled) for shape in x_shapes]),
+               plgpu.SMEM((2, ROWS), jnp.bfloat16), plgpu.Barrier(num_barriers=depth), plgpu.Barrier()]
+    if barrier:
+        scratch.append(plgpu.SemaphoreType.REGULAR(()))
+    call = plgpu.kernel(
+        body, out_type=[jax.ShapeDtypeStruct((st.split, st.o), jnp.bfloat16) for st in stages],
+        scratch_types=scratch, grid=(programs,), grid_names=("p",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    mode = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if interpret else contextlib.nullcontext()
+    with mode:
+        return list(call(x0_NC, *(w[WEIGHT[r]] for r in roles)))
+
+
+def chain_phased(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], **kw: Any) -> list[jax.Array]:
+    """The same stage code, one launch per stage."""
+    outs, x = [], x0_NC
+    for st in stages:
+        x = chain_mgpu(x, w, [st], **kw)[0]
+        outs.append(x)
+    return outs
+
+
+def chain_plain(x_D: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, impl: str,
+                interpret: bool = False) -> jax.Array:
+    """The same chain of products by XLA (`xla`) or the decode step's Triton gemv (`triton`, reading
+    w_t[role] [L, C, O] in place); every stage's input is the previous output's first C values, bf16."""
+    idx, x = jnp.zeros((1,), jnp.int32), x_D.astype(jnp.bfloat16)
+    for st in stages:
+        x_C = x[:st.c]
+        if impl == "xla":
+            y = jnp.dot(w[WEIGHT[st.role]][st.layer], x_C, preferred_element_type=jnp.float32)
+        else:
+            stack = w["t_" + st.role]
+            y = expert_gemv.gathered_products(x_C[None], idx + st.layer, (stack,), interpret=interpret)[0][0]
+        x = y.astype(jnp.bfloat16)
+    return x
+
+
+def rel_l2(a: jax.Array, b: jax.Array) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--depth", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--max-split", type=int, default=24)
+    ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 2 programs, the interpreter")
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu" and not args.smoke
+    dims = Dims() if not args.smoke else Dims(d=512, a=1024, h=512, f=512)
+    layers = args.layers if not args.smoke else 2
+    programs = jax.devices()[0].core_count if gpu else 1
+    depths = args.depth if not args.smoke else [3]
+    w = random_chain(jax.random.key(0), layers, dims)
+    w = {k: v for k, v in w.items() if k.startswith("w_")}
+    if "triton" in args.forms:
+        w |= {"t_" + r: jnp.swapaxes(w[k], 1, 2) for r, k in WEIGHT.items()}
+    stages = plan(dims, layers, programs, max_split=args.max_split)
+    x = jax.random.normal(jax.random.key(1), (dims.d,), jnp.float32)
+    x0 = jnp.zeros((ROW_GROUP, dims.d), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
+    ref = jax.jit(functools.partial(chain_reference, stages=stages))(x0, w)
+    ref_final = ref[-1].astype(jnp.float32).sum(0)
+    nbytes = sum(int(v.nbytes) for k, v in w.items() if k.startswith("w_"))
+    bw = copy_bandwidth(2.0 if gpu else 0.01)
+    result: dict[str, Any] = {**machine(), "dims": dataclasses.asdict(dims), "layers": layers, "programs": programs,
+                              "splits": {st.role: st.split for st in stages[:4]}, "weight_bytes": nbytes,
+                              "copy_GBps": bw / 1e9, "floor_us": nbytes / bw * 1e6, "runs": []}
+    print(f"{layers} layers, {nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us; splits {result['splits']}",
+          flush=True)
+    configs = [(f, {}) for f in ("xla", "triton") if f in args.forms]
+    configs += [(f, {"depth": d}) for d in depths for f in ("phased", "persistent") if f in args.forms]
+    for form, cfg in configs:
+        row: dict[str, Any] = {"form": form, **cfg}
+        try:
+            if form in ("xla", "triton"):
+                fn = jax.jit(functools.partial(chain_plain, stages=stages, impl=form, interpret=not gpu))
+                call = functools.partial(fn, x, w)
+                row["rel_l2_final"] = rel_l2(call(), ref_final)
+            else:
+                chain_fn = chain_mgpu if form == "persistent" else chain_phased
+                fn = jax.jit(functools.partial(chain_fn, stages=stages, programs=programs, interpret=not gpu, **cfg))
+                call = functools.partial(fn, x0, w)
+                outs = call()
+                row["rel_l2_worst_stage"] = max(rel_l2(o, r) for o, r in zip(outs, ref, strict=True))
+                row["rel_l2_final"] = rel_l2(outs[-1].astype(jnp.float32).sum(0), ref_final)
+            row["wall_us"] = median_time(call, reps=args.reps if gpu else 1, warmup=3 if gpu else 0) * 1e6
+            prof = kernel_profile(call) if gpu else None
+        except Exception as e:  # a configuration this GPU cannot run is a result, not the end of the run
+            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            prof = None
+        if prof:
+            span = prof["span_s_per_call"]
+            row |= {"span_us": span * 1e6, "kernel_sum_us": prof["kernel_time_s_per_call"] * 1e6,
+                    "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / span / 1e9,
+                    "x_floor": span / (nbytes / bw)}
+        result["runs"].append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        write_json(args.out, result)  # after every row: a run cut short keeps what it measured
+
+
+if __name__ == "__main__":
+    main()
