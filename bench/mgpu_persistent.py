@@ -213,7 +213,8 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                         l = j * st.ksteps + k
                         slot = (base[s] + l) % depth
                         plgpu.barrier_wait(w_bars.at[slot])
-                        plgpu.wgmma(acc, ring.at[slot], x_ref.at[:, pl.ds((t - part0) * st.part + k * tk, tk)].transpose((1, 0)))
+                        x_tile = x_ref.at[:, pl.ds((t - part0) * st.part + k * tk, tk)]
+                        plgpu.wgmma(acc, ring.at[slot], x_tile.transpose((1, 0)))
                         plgpu.wgmma_wait(0)
                         fetch_ahead(s, l + depth)
 
