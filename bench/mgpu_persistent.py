@@ -117,28 +117,42 @@ def choose_split(o: int, c: int, programs: int, tk: int, max_split: int) -> int:
     return min(cands, key=lambda s: (round(imbalance(s), 6), s))
 
 
-def plan(dims: Dims, layers: int, programs: int, tk: int = 64, max_split: int = 24) -> list[Stage]:
-    """The chain's stages, each split for `programs`; the first reads an X of ROW_GROUP rows."""
+def plan(dims: Dims, layers: int, programs: int, tk_max: int = 64, max_split: int = 24) -> list[Stage]:
+    """The chain's stages, each split for `programs` (in multiples of 64 columns), its tiles the
+    widest multiple of 64 up to `tk_max` dividing a part; the first reads an X of ROW_GROUP rows."""
     shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
     stages, n = [], ROW_GROUP
     for layer, role in itertools.product(range(layers), STAGES):
         o, c = shapes[role]
-        split = choose_split(o, c, programs, tk, max_split)
+        split = choose_split(o, c, programs, 64, max_split)
+        tk = max(t for t in range(64, tk_max + 1, 64) if c // split % t == 0)
         stages.append(Stage(role, layer, o, c, split, n, tk))
         n = split
     return stages
 
 
+def stage_reference(x_NC: jax.Array, w: dict[str, jax.Array], st: Stage) -> jax.Array:
+    """One stage's X [split, O] as the kernel defines it (float32 products, bf16 partial rows)."""
+    x_C = x_NC[:, :st.c].astype(jnp.float32).sum(0)
+    w_OSP = w[WEIGHT[st.role]][st.layer].astype(jnp.float32).reshape(st.o, st.split, st.part)
+    return jnp.einsum("osp,sp->so", w_OSP, x_C.reshape(st.split, st.part),
+                      precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
+
+
 def chain_reference(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage]) -> list[jax.Array]:
-    """Every stage's X [split, O] as the kernel defines it (float32 products, bf16 partial rows)."""
-    outs, x_NC = [], x0_NC
+    """Every stage's X, each stage fed the reference's X before it."""
+    outs = [x0_NC]
     for st in stages:
-        x_C = x_NC[:, :st.c].astype(jnp.float32).sum(0)
-        w_OSP = w[WEIGHT[st.role]][st.layer].astype(jnp.float32).reshape(st.o, st.split, st.part)
-        x_NC = jnp.einsum("osp,sp->so", w_OSP, x_C.reshape(st.split, st.part),
-                          precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
-        outs.append(x_NC)
-    return outs
+        outs.append(stage_reference(outs[-1], w, st))
+    return outs[1:]
+
+
+def worst_stage_error(x0_NC: jax.Array, outs: list[jax.Array], w: dict[str, jax.Array],
+                      stages: list[Stage]) -> float:
+    """The largest relative L2 error of a stage's X against its reference fed the kernel's own
+    input (bf16 rounding flips would otherwise compound along the chain)."""
+    ins = [x0_NC, *outs[:-1]]
+    return max(rel_l2(o, stage_reference(x, w, st)) for x, o, st in zip(ins, outs, stages, strict=True))
 
 
 def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
@@ -147,9 +161,15 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
     program resident), returning every stage's X. One stage: no barrier (the `phased` form)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tk = stages[0].tk
-    if any(st.tk != tk for st in stages) or tk % 64:
-        raise ValueError("chain_mgpu: every stage needs the same tk, a multiple of 64")
+    if any(st.tk % 64 or st.part % st.tk for st in stages):
+        raise ValueError("chain_mgpu: every stage's tk must be a multiple of 64 dividing its part")
+    # A ring slot holds one tile of any stage: one view of the ring per tile width, all with the
+    # widest tile's slot size (a narrower tile fills the first 64 of its view's rows).
+    slot_values = ROWS * max(st.tk for st in stages)
+    view_rows = {st.tk: slot_values // st.tk for st in stages}
+    if any(slot_values % tk or rows % 8 for tk, rows in view_rows.items()):
+        raise ValueError(f"chain_mgpu: tile widths {sorted(view_rows)} do not share a slot size")
+    widths = sorted(view_rows)
     if len(stages) > 1 and min(st.items for st in stages) < programs:
         raise ValueError(f"chain_mgpu: every stage needs at least {programs} items (one per program)")
     barrier = len(stages) > 1 and programs > 1
@@ -165,12 +185,19 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
     def body(x0_gmem, *refs):
         w_gmem = dict(zip(roles, refs[:len(roles)], strict=True))
         outs = refs[len(roles):len(roles) + len(stages)]
-        ring, x_union, out_smem, w_bars, x_bar, *sem = refs[len(roles) + len(stages):]
+        ring_union, x_union, out_smem, w_bars, x_bar = refs[len(roles) + len(stages):]
+        ring = dict(zip(widths, ring_union, strict=True))
+        # One counter for the whole grid (a semaphore in scratch_types would be one per program);
+        # zeroed before every launch.
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(())) if barrier else None
         x_smem = dict(zip(x_shapes, x_union, strict=True))
         p = lax.axis_index("p")
         runs = [st.run(p, programs) for st in stages]  # this program's items
         tiles = [(end - start) * st.ksteps for (start, end), st in zip(runs, stages, strict=True)]
         base = [sum(tiles[:s], jnp.int32(0)) for s in range(len(stages))]  # flat index of a stage's first tile
+
+        def ring_tile(slot: Any, tk: int) -> Any:
+            return ring[tk].at[slot, pl.ds(0, ROWS)]
 
         def item_rows_part(s: int, j: Any) -> tuple[Any, Any]:  # the output block and part of item j
             i = runs[s][0] + j
@@ -180,8 +207,9 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             st = stages[s]
             r, t = item_rows_part(s, l // st.ksteps)
             slot = (base[s] + l) % depth
+            tk = st.tk
             src = w_gmem[st.role].at[st.layer, pl.ds(r * ROWS, ROWS), pl.ds(t * st.part + (l % st.ksteps) * tk, tk)]
-            plgpu.copy_gmem_to_smem(src, ring.at[slot], w_bars.at[slot])
+            plgpu.copy_gmem_to_smem(src, ring_tile(slot, tk), w_bars.at[slot])
 
         def fetch_ahead(s: int, l: Any) -> None:  # local tile l of stage s, which may lie in a later stage
             lo = jnp.int32(0)
@@ -195,8 +223,8 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             fetch_ahead(0, jnp.int32(l))
         for s, st in enumerate(stages):
             if barrier and s:  # every program's stage s-1 output is in GMEM before anyone reads it
-                plgpu.semaphore_signal(sem[0], 1, memory_scope="gpu")
-                plgpu.semaphore_wait(sem[0], s * programs, decrement=False, memory_scope="gpu")
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                plgpu.semaphore_wait(sem, s * programs, decrement=False, memory_scope="gpu")
             x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
             part0 = jnp.minimum(runs[s][0] // (st.o // ROWS), st.split - windows[s])
             src = x0_gmem if s == 0 else outs[s - 1]
@@ -213,8 +241,8 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                         l = j * st.ksteps + k
                         slot = (base[s] + l) % depth
                         plgpu.barrier_wait(w_bars.at[slot])
-                        x_tile = x_ref.at[:, pl.ds((t - part0) * st.part + k * tk, tk)]
-                        plgpu.wgmma(acc, ring.at[slot], x_tile.transpose((1, 0)))
+                        x_tile = x_ref.at[:, pl.ds((t - part0) * st.part + k * st.tk, st.tk)]
+                        plgpu.wgmma(acc, ring_tile(slot, st.tk), x_tile.transpose((1, 0)))
                         plgpu.wgmma_wait(0)
                         fetch_ahead(s, l + depth)
 
@@ -229,11 +257,10 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
 
             plgpu.wait_smem_to_gmem(0)  # this stage's outputs are written (before the next barrier)
 
-    scratch = [plgpu.SMEM((depth, ROWS, tk), jnp.bfloat16, transforms=tiled),
+    scratch = [plgpu.RefUnion(*[plgpu.SMEM((depth, view_rows[tk], tk), jnp.bfloat16, transforms=tiled)
+                                for tk in widths]),
                plgpu.RefUnion(*[plgpu.SMEM(shape, jnp.bfloat16, transforms=tiled) for shape in x_shapes]),
                plgpu.SMEM((2, ROWS), jnp.bfloat16), plgpu.Barrier(num_barriers=depth), plgpu.Barrier()]
-    if barrier:
-        scratch.append(plgpu.SemaphoreType.REGULAR(()))
     call = plgpu.kernel(
         body, out_type=[jax.ShapeDtypeStruct((st.split, st.o), jnp.bfloat16) for st in stages],
         scratch_types=scratch, grid=(programs,), grid_names=("p",),
@@ -277,26 +304,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--depth", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--depth", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--tk-max", type=int, nargs="+", default=[64, 256], help="widest weight tile (columns)")
     ap.add_argument("--max-split", type=int, default=24)
     ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 2 programs, the interpreter")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu" and not args.smoke
-    dims = Dims() if not args.smoke else Dims(d=512, a=1024, h=512, f=512)
+    dims = Dims() if not args.smoke else Dims(d=1024, a=512, h=512, f=512)
     layers = args.layers if not args.smoke else 2
     programs = jax.devices()[0].core_count if gpu else 1
-    depths = args.depth if not args.smoke else [3]
+    depths, tk_maxes = (args.depth, args.tk_max) if not args.smoke else ([3], [64, 128])
     w = random_chain(jax.random.key(0), layers, dims)
     w = {k: v for k, v in w.items() if k.startswith("w_")}
     if "triton" in args.forms:
         w |= {"t_" + r: jnp.swapaxes(w[k], 1, 2) for r, k in WEIGHT.items()}
-    stages = plan(dims, layers, programs, max_split=args.max_split)
+    plans = {t: plan(dims, layers, programs, t, args.max_split) for t in tk_maxes}  # the same splits for every t
+    stages = plans[tk_maxes[0]]
     x = jax.random.normal(jax.random.key(1), (dims.d,), jnp.float32)
     x0 = jnp.zeros((ROW_GROUP, dims.d), jnp.bfloat16).at[0].set(x.astype(jnp.bfloat16))
-    ref = jax.jit(functools.partial(chain_reference, stages=stages))(x0, w)
-    ref_final = ref[-1].astype(jnp.float32).sum(0)
+    ref_final = jax.jit(functools.partial(chain_reference, stages=stages))(x0, w)[-1].astype(jnp.float32).sum(0)
     nbytes = sum(int(v.nbytes) for k, v in w.items() if k.startswith("w_"))
     bw = copy_bandwidth(2.0 if gpu else 0.01)
     result: dict[str, Any] = {**machine(), "dims": dataclasses.asdict(dims), "layers": layers, "programs": programs,
@@ -305,7 +333,8 @@ def main() -> None:
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us; splits {result['splits']}",
           flush=True)
     configs = [(f, {}) for f in ("xla", "triton") if f in args.forms]
-    configs += [(f, {"depth": d}) for d in depths for f in ("phased", "persistent") if f in args.forms]
+    configs += [(f, {"depth": d, "tk_max": t}) for t in tk_maxes for d in depths
+                for f in ("phased", "persistent") if f in args.forms]
     for form, cfg in configs:
         row: dict[str, Any] = {"form": form, **cfg}
         try:
@@ -315,10 +344,11 @@ def main() -> None:
                 row["rel_l2_final"] = rel_l2(call(), ref_final)
             else:
                 chain_fn = chain_mgpu if form == "persistent" else chain_phased
-                fn = jax.jit(functools.partial(chain_fn, stages=stages, programs=programs, interpret=not gpu, **cfg))
+                fn = jax.jit(functools.partial(chain_fn, stages=plans[cfg["tk_max"]], programs=programs,
+                                               depth=cfg["depth"], interpret=not gpu))
                 call = functools.partial(fn, x0, w)
                 outs = call()
-                row["rel_l2_worst_stage"] = max(rel_l2(o, r) for o, r in zip(outs, ref, strict=True))
+                row["rel_l2_worst_stage"] = worst_stage_error(x0, outs, w, plans[cfg["tk_max"]])
                 row["rel_l2_final"] = rel_l2(outs[-1].astype(jnp.float32).sum(0), ref_final)
             row["wall_us"] = median_time(call, reps=args.reps if gpu else 1, warmup=3 if gpu else 0) * 1e6
             prof = kernel_profile(call) if gpu else None
@@ -329,9 +359,12 @@ def main() -> None:
             span = prof["span_s_per_call"]
             row |= {"span_us": span * 1e6, "kernel_sum_us": prof["kernel_time_s_per_call"] * 1e6,
                     "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / span / 1e9,
-                    "x_floor": span / (nbytes / bw)}
+                    "x_floor": span / (nbytes / bw),
+                    "top_kernels": [{k: r[k] for k in ("name", "count_per_call", "mean_us")}
+                                    for r in prof["top_kernels"][:4]]}
         result["runs"].append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                       if k != "top_kernels"), flush=True)
         write_json(args.out, result)  # after every row: a run cut short keeps what it measured
 
 
