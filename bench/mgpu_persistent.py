@@ -156,9 +156,10 @@ def worst_stage_error(x0_NC: jax.Array, outs: list[jax.Array], w: dict[str, jax.
 
 
 def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
-               interpret: bool = False) -> list[jax.Array]:
+               sync: bool = True, interpret: bool = False) -> list[jax.Array]:
     """All `stages` in one Mosaic-GPU launch of `programs` programs (one per SM: a barrier needs every
-    program resident), returning every stage's X. One stage: no barrier (the `phased` form)."""
+    program resident), returning every stage's X. One stage: no barrier (the `phased` form).
+    `sync=False` drops the barriers: wrong results, the weight stream's pace without them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if any(st.tk % 64 or st.part % st.tk for st in stages):
@@ -172,7 +173,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
     widths = sorted(view_rows)
     if len(stages) > 1 and min(st.items for st in stages) < programs:
         raise ValueError(f"chain_mgpu: every stage needs at least {programs} items (one per program)")
-    barrier = len(stages) > 1 and programs > 1
+    barrier = sync and len(stages) > 1 and programs > 1
     # The fetch `depth` tiles ahead may land this many stages on (every program has >= min tiles per stage).
     min_tiles = min(st.items // programs * st.ksteps for st in stages)
     reach = 1 + -(-depth // max(min_tiles, 1))
@@ -307,7 +308,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--tk-max", type=int, nargs="+", default=[64, 256], help="widest weight tile (columns)")
     ap.add_argument("--max-split", type=int, default=24)
-    ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"])
+    ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"],
+                    help="also `unsynced`: persistent without its barriers (a diagnostic; its results are wrong)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 2 programs, the interpreter")
     args = ap.parse_args()
@@ -334,7 +336,7 @@ def main() -> None:
           flush=True)
     configs = [(f, {}) for f in ("xla", "triton") if f in args.forms]
     configs += [(f, {"depth": d, "tk_max": t}) for t in tk_maxes for d in depths
-                for f in ("phased", "persistent") if f in args.forms]
+                for f in ("phased", "persistent", "unsynced") if f in args.forms]
     for form, cfg in configs:
         row: dict[str, Any] = {"form": form, **cfg}
         try:
@@ -343,7 +345,7 @@ def main() -> None:
                 call = functools.partial(fn, x, w)
                 row["rel_l2_final"] = rel_l2(call(), ref_final)
             else:
-                chain_fn = chain_mgpu if form == "persistent" else chain_phased
+                chain_fn = chain_phased if form == "phased" else functools.partial(chain_mgpu, sync=form != "unsynced")
                 fn = jax.jit(functools.partial(chain_fn, stages=plans[cfg["tk_max"]], programs=programs,
                                                depth=cfg["depth"], interpret=not gpu))
                 call = functools.partial(fn, x0, w)
