@@ -121,9 +121,12 @@ def plan(dims: Dims, layers: int, programs: int, tk_max: int = 64, max_split: in
     """The chain's stages, each split for `programs` (in multiples of 64 columns), its tiles the
     widest multiple of 64 up to `tk_max` dividing a part; the first reads an X of ROW_GROUP rows."""
     shapes = {"in": (dims.a, dims.d), "o": (dims.d, dims.h), "gu": (2 * dims.f, dims.d), "down": (dims.d, dims.f)}
-    stages, n = [], ROW_GROUP
+    stages, n, width = [], ROW_GROUP, dims.d
     for layer, role in itertools.product(range(layers), STAGES):
         o, c = shapes[role]
+        if c > width:
+            raise ValueError(f"plan: stage {role} reads {c} values of an input of {width}")
+        width = o
         split = choose_split(o, c, programs, 64, max_split)
         tk = max(t for t in range(64, tk_max + 1, 64) if c // split % t == 0)
         stages.append(Stage(role, layer, o, c, split, n, tk))

@@ -5,6 +5,7 @@ decode-kernel / prefill scripts."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -260,3 +261,44 @@ def test_pdl_chain_triton_row_gemv_is_the_product_and_waits(h200_lowering):
     assert "griddepcontrol" not in lowered["off"]
     assert "griddepcontrol.wait" in lowered["wait"] and "launch_dependents" not in lowered["wait"]
     assert "griddepcontrol.launch_dependents" in lowered["launch"]
+
+
+def test_mgpu_persistent_plan_deals_every_item_once():
+    """bench/mgpu_persistent.py's split choice: the most even deal of (part, block) items over the
+    programs, parts a multiple of 64 columns; a program's run and the input columns it loads."""
+    from bench.mgpu_persistent import Dims, Stage, choose_split, plan
+
+    assert choose_split(1536, 2048, 132, 64, 24) == 16  # 384 items: 3 rounds of 132 (2.9 on average)
+    assert choose_split(1536, 4608, 132, 64, 24) == 24  # 8: 192 items would take 2 rounds for 1.45
+    with pytest.raises(ValueError, match="no split"):
+        choose_split(128, 96, 4, 64, 24)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        choose_split(100, 512, 4, 64, 24)
+    with pytest.raises(ValueError, match="reads 2048 values of an input of 1024"):
+        plan(Dims(d=512, a=1024, h=2048, f=512), 1, 4)
+    st = Stage("o", 0, o=640, c=1024, split=8, n=8, tk=128)
+    runs = [st.run(p, 7) for p in range(7)]
+    assert runs[0][0] == 0 and runs[-1][1] == st.items and all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+    assert {e - s for s, e in runs} <= {st.items // 7, st.items // 7 + 1}
+    blocks = st.o // 64
+    assert st.window(7) == max((e - 1) // blocks - s // blocks + 1 for s, e in runs)
+
+
+@pytest.mark.parametrize(("form", "programs"), [("phased", 3), ("persistent", 1)])
+def test_mgpu_persistent_chain_matches_the_reference(form, programs):
+    """The Mosaic-GPU chain in the interpreter, one layer with tiles of 128 and 64 columns (two views
+    of the ring): each stage's partial rows equal the float32 reference fed the same input.
+    `persistent` with one program runs the weight ring across stage boundaries (the barrier itself
+    needs every program resident: GPU only); `phased` with 3 programs covers runs and windows."""
+    from bench.mgpu_persistent import ROW_GROUP, Dims, chain_mgpu, chain_phased, plan, random_chain, worst_stage_error
+
+    dims = Dims(d=1024, a=512, h=512, f=512)
+    w = {k: v for k, v in random_chain(jax.random.key(0), 1, dims).items() if k.startswith("w_")}
+    stages = plan(dims, 1, programs, tk_max=128)
+    assert {st.tk for st in stages} == {64, 128}
+    x0 = jnp.zeros((ROW_GROUP, dims.d), jnp.bfloat16).at[0].set(
+        jax.random.normal(jax.random.key(1), (dims.d,), jnp.bfloat16))
+    fn = chain_phased if form == "phased" else chain_mgpu
+    outs = fn(x0, w, stages, programs=programs, depth=3, interpret=True)
+    assert [o.shape for o in outs] == [(st.split, st.o) for st in stages]
+    assert worst_stage_error(x0, outs, w, stages) < 1e-3
