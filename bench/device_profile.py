@@ -192,6 +192,24 @@ def kernel_profile(fn: Callable[[], Any], logdir: str | None = None, calls: int 
     return summary if summary["kernels_per_call"] else None
 
 
+def span_fields(summary: dict[str, Any], nbytes: int, bandwidth: float, top: int = 25) -> dict[str, Any]:
+    """A weight-stream benchmark's row from `kernel_profile`'s summary: device span and summed kernel
+    time per call (us), GB/s over the span for `nbytes`, the span's ratio to nbytes at `bandwidth`
+    (B/s), and the `top` kernels."""
+    span = summary["span_s_per_call"]
+    return {"span_us": span * 1e6, "kernel_sum_us": summary["kernel_time_s_per_call"] * 1e6,
+            "kernels_per_call": summary["kernels_per_call"], "GBps": nbytes / span / 1e9,
+            "x_floor": span / (nbytes / bandwidth),
+            "top_kernels": [{k: r[k] for k in ("name", "count_per_call", "mean_us")}
+                            for r in summary["top_kernels"][:top]]}
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One benchmark row as `key=value` pairs, without its kernel list."""
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                   if k != "top_kernels"), flush=True)
+
+
 def print_profile(summary: dict[str, Any]) -> None:
     """The summary as a few readable lines."""
     wall, busy = summary["wall_s_per_call"], summary["device_busy_s_per_call"]

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
-from bench.device_profile import kernel_profile
+from bench.device_profile import kernel_profile, print_row, span_fields
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.pallas_gpu import call_options, whole
 
@@ -289,15 +289,9 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             prof = None
         if prof:
-            span = prof["span_s_per_call"]
-            row |= {"span_us": span * 1e6, "kernel_sum_us": prof["kernel_time_s_per_call"] * 1e6,
-                    "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / span / 1e9,
-                    "x_floor": span / (nbytes / bw),
-                    "top_kernels": [{k: r[k] for k in ("name", "count_per_call", "mean_us")}
-                                    for r in prof["top_kernels"]]}
+            row |= span_fields(prof, nbytes, bw)
         result["runs"].append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                       if k != "top_kernels"), flush=True)
+        print_row(row)
         write_json(args.out, result)  # after every row: a run cut short keeps what it measured
 
 

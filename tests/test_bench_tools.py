@@ -302,3 +302,15 @@ def test_mgpu_persistent_chain_matches_the_reference(form, programs):
     outs = fn(x0, w, stages, programs=programs, depth=3, interpret=True)
     assert [o.shape for o in outs] == [(st.split, st.o) for st in stages]
     assert worst_stage_error(x0, outs, w, stages) < 1e-3
+
+
+def test_span_fields_rate_the_span_against_the_floor():
+    """The weight-stream row: GB/s and the ratio to the floor come from the span, not the summed kernels."""
+    from bench.device_profile import span_fields
+
+    kernels = [{"name": f"k{i}", "count_per_call": 1.0, "mean_us": 1.0, "op_path": ""} for i in range(3)]
+    summary = {"span_s_per_call": 2e-6, "kernel_time_s_per_call": 3e-6, "kernels_per_call": 3.0, "top_kernels": kernels}
+    row = span_fields(summary, nbytes=4000, bandwidth=4e9, top=2)
+    assert row["span_us"] == pytest.approx(2.0) and row["kernel_sum_us"] == pytest.approx(3.0)
+    assert row["GBps"] == pytest.approx(2.0) and row["x_floor"] == pytest.approx(2.0)  # floor 1 us
+    assert [k["name"] for k in row["top_kernels"]] == ["k0", "k1"] and "op_path" not in row["top_kernels"][0]
