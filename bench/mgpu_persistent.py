@@ -22,15 +22,22 @@ synchronisation alone. How a stage is split (`Stage`):
 
   * its output rows in blocks of 64 (wgmma's M) and its C in `split` parts (a multiple of 8);
     items (part, block), part-major, in contiguous runs per program (sizes differing by at most
-    one), each item `ksteps` tiles [64, tk]; a program's run spans a few parts, and only those
-    columns of the stage's input are loaded (`Stage.window`);
+    one), each item `ksteps` tiles [64, tk], tk the widest multiple of 64 up to `--tk-max`
+    dividing a part (one view of the ring per width, all with the widest slot's size); a
+    program's run spans a few parts, and only those columns of the stage's input are loaded
+    (`Stage.window`);
   * an item's partial product goes to row `part` of the stage's output X [split, O] (bf16), so the
     stage's value is the sum of X's rows. The next stage never adds them up: it multiplies its
     weight tile by all N = split rows at once (X as wgmma's [N, tk] operand) and sums the
     accumulator's N columns, which is W @ sum(X) in float32.
 
+The barrier is one counter for the grid (`pl.get_global`: a semaphore in `scratch_types` would be
+one per program), zeroed before each launch; each program adds 1 after a stage's outputs are
+written and waits for stage x programs.
+
 Forms: `persistent` (all stages in one launch), `phased` (the same stage code, one launch per
-stage: what a kernel-per-op step does), `triton` (the decode step's Pallas-Triton gemv,
+stage: what a kernel-per-op step does), `unsynced` (persistent without barriers: a diagnostic of
+the stream's pace, its results wrong by design), `triton` (the decode step's Pallas-Triton gemv,
 `expert_gemv.gathered_products`, each layer's weight read from its [L, C, O] stack in place) and
 `xla` (jnp.dot on [O, C]). Times: the device span per chain from a `jax.profiler` trace
 (first kernel start to last kernel end) and the wall clock; floor = weight bytes / copy bandwidth.
@@ -177,6 +184,9 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
     if len(stages) > 1 and min(st.items for st in stages) < programs:
         raise ValueError(f"chain_mgpu: every stage needs at least {programs} items (one per program)")
     barrier = sync and len(stages) > 1 and programs > 1
+    sms = None if interpret else getattr(jax.devices()[0], "core_count", None)
+    if barrier and sms is not None and programs > sms:  # programs not all resident would wait forever
+        raise ValueError(f"chain_mgpu: {programs} programs with barriers need as many SMs ({sms} here)")
     # The fetch `depth` tiles ahead may land this many stages on (every program has >= min tiles per stage).
     min_tiles = min(st.items // programs * st.ksteps for st in stages)
     reach = 1 + -(-depth // max(min_tiles, 1))
@@ -314,7 +324,7 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"],
                     help="also `unsynced`: persistent without its barriers (a diagnostic; its results are wrong)")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 2 programs, the interpreter")
+    ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 1 program, the interpreter")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu" and not args.smoke
     dims = Dims() if not args.smoke else Dims(d=1024, a=512, h=512, f=512)
