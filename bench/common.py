@@ -153,6 +153,12 @@ def random_fp8_params(cfg: LingConfig, dtype: Any, seed: int = 0, block: tuple[i
     return build_tree(cfg, make)
 
 
+def rel_l2(a: jax.Array, b: jax.Array) -> float:
+    """Relative L2 error of a against b, in float64 on the host."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine, median_time, write_json
+from bench.common import machine, median_time, rel_l2, write_json
 from ling_jax.cache import LATENT_BLOCK
 from ling_jax.config import LingConfig
 from ling_jax.ops import expert_gemv
@@ -71,11 +71,6 @@ PALLAS = {"moe": "gemv", "proj_in": "gemv", "proj_out": "gemv", "latent": "palla
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: float = 1.0) -> jax.Array:
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def _rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _gbps(nbytes: float, us: dict[str, float]) -> dict[str, float]:
@@ -111,7 +106,7 @@ def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
     nbytes = touched * 3 * d * i * 2
     return {"op": "moe", "batch": batch, "copies": batch * k, "us": us, "bytes": nbytes,
             "GBps": _gbps(nbytes, us),
-            "rel_l2_gemv_vs_gather": None if only else _rel(outs["gemv"], outs["gather"])}
+            "rel_l2_gemv_vs_gather": None if only else rel_l2(outs["gemv"], outs["gather"])}
 
 
 def bench_proj(cfg: LingConfig, which: str, calls: int, reps: int, key: jax.Array,
@@ -131,7 +126,7 @@ def bench_proj(cfg: LingConfig, which: str, calls: int, reps: int, key: jax.Arra
     us, outs = _time({"xla": run("xla"), "gemv": run("gemv")}, calls, reps, only)
     nbytes = float(c * o * 2)
     return {"op": f"proj_{which}", "batch": 1, "shape": [c, o], "us": us, "bytes": nbytes, "GBps": _gbps(nbytes, us),
-            "rel_l2_gemv_vs_xla": None if only else _rel(outs["gemv"], outs["xla"])}
+            "rel_l2_gemv_vs_xla": None if only else rel_l2(outs["gemv"], outs["xla"])}
 
 
 def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, reps: int,
@@ -153,7 +148,7 @@ def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, 
     nbytes = float(batch * ctx * (r + dr) * 2)
     return {"op": "latent", "batch": batch, "context": ctx, "slots": slots, "us": us, "bytes": nbytes,
             "GBps": _gbps(nbytes, us),
-            "rel_l2_pallas_vs_xla": None if only else _rel(outs["pallas"], outs["xla"])}
+            "rel_l2_pallas_vs_xla": None if only else rel_l2(outs["pallas"], outs["xla"])}
 
 
 def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array,
@@ -181,8 +176,8 @@ def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
     us, outs = _time({"xla": run(kda_decode_step), "pallas": run(kda_decode_step_pallas)}, calls, reps, only)
     nbytes = float(batch * h * dk * dk * 4 * 2)
     return {"op": "kda", "batch": batch, "us": us, "bytes": nbytes, "GBps": _gbps(nbytes, us),
-            "rel_l2_pallas_vs_xla": None if only else {"o": _rel(outs["pallas"][0], outs["xla"][0]),
-                                                       "state": _rel(outs["pallas"][1], outs["xla"][1])}}
+            "rel_l2_pallas_vs_xla": None if only else {"o": rel_l2(outs["pallas"][0], outs["xla"][0]),
+                                                       "state": rel_l2(outs["pallas"][1], outs["xla"][1])}}
 
 
 def swept(op: str, bench: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, machine, median_time, write_json
+from bench.common import copy_bandwidth, machine, median_time, rel_l2, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields
 from bench.persistent_layer import STAGES, Dims, random_chain
 from ling_jax.ops import expert_gemv
@@ -86,8 +86,12 @@ class Stage:
     tk: int
 
     @property
+    def blocks(self) -> int:
+        return self.o // ROWS
+
+    @property
     def items(self) -> int:
-        return self.o // ROWS * self.split
+        return self.blocks * self.split
 
     @property
     def part(self) -> int:
@@ -103,8 +107,7 @@ class Stage:
 
     def window(self, programs: int) -> int:
         """The most parts one program's run spans: the columns of the input it loads."""
-        blocks = self.o // ROWS
-        return max((end - 1) // blocks - start // blocks + 1
+        return max((end - 1) // self.blocks - start // self.blocks + 1
                    for start, end in (self.run(p, programs) for p in range(programs)))
 
 
@@ -215,7 +218,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
 
         def item_rows_part(s: int, j: Any) -> tuple[Any, Any]:  # the output block and part of item j
             i = runs[s][0] + j
-            return i % (stages[s].o // ROWS), i // (stages[s].o // ROWS)
+            return i % stages[s].blocks, i // stages[s].blocks
 
         def fetch(s: int, l: Any) -> None:  # stage s's local tile l into ring slot (base + l) % depth
             st = stages[s]
@@ -240,7 +243,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                 plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
                 plgpu.semaphore_wait(sem, s * programs, decrement=False, memory_scope="gpu")
             x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
-            part0 = jnp.minimum(runs[s][0] // (st.o // ROWS), st.split - windows[s])
+            part0 = jnp.minimum(runs[s][0] // st.blocks, st.split - windows[s])
             src = x0_gmem if s == 0 else outs[s - 1]
             plgpu.copy_gmem_to_smem(src.at[:, pl.ds(part0 * st.part, windows[s] * st.part)], x_ref, x_bar)
             plgpu.barrier_wait(x_bar)
@@ -307,11 +310,6 @@ def chain_plain(x_D: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *,
             y = expert_gemv.gathered_products(x_C[None], idx + st.layer, (stack,), interpret=interpret)[0][0]
         x = y.astype(jnp.bfloat16)
     return x
-
-
-def rel_l2(a: jax.Array, b: jax.Array) -> float:
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 def main() -> None:

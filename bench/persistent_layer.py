@@ -60,7 +60,7 @@ from jax.experimental.pallas import triton as pltriton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
-from bench.device_profile import kernel_profile
+from bench.device_profile import kernel_profile, print_row
 from ling_jax.ops.pallas_gpu import call_options, next_pow2, pow2_tile, whole
 
 EPS = 1e-6
@@ -440,7 +440,7 @@ def main() -> None:
             row |= {"device_us": dev * 1e6, "kernels_per_call": prof["kernels_per_call"], "GBps": nbytes / dev / 1e9,
                     "x_floor": dev / (nbytes / bw)}
         result["runs"].append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        print_row(row)
         write_json(args.out, result)  # after every row: a run cut short keeps what it measured
 
 
