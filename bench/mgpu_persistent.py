@@ -33,11 +33,15 @@ synchronisation alone. How a stage is split (`Stage`):
 
 The barrier is one counter for the grid (`pl.get_global`: a semaphore in `scratch_types` would be
 one per program), zeroed before each launch; each program adds 1 after a stage's outputs are
-written and waits for stage x programs.
+written and waits for stage x programs. The `dataflow` form has no barrier: a counter per stage and
+64-row output block gets 1 from each item written into it, and a program starting a stage waits only
+for the blocks of the stage before that its input window holds (`Stage.input_blocks`) to count
+every part, so a late program holds back only the few that read its outputs.
 
-Forms: `persistent` (all stages in one launch), `phased` (the same stage code, one launch per
-stage: what a kernel-per-op step does), `unsynced` (persistent without barriers: a diagnostic of
-the stream's pace, its results wrong by design), `triton` (the decode step's Pallas-Triton gemv,
+Forms: `persistent` (all stages in one launch, grid barriers), `dataflow` (one launch, block
+counters), `phased` (the same stage code, one launch per stage: what a kernel-per-op step does),
+`unsynced` (one launch without waits: a diagnostic of the stream's pace, its results wrong by
+design), `triton` (the decode step's Pallas-Triton gemv,
 `expert_gemv.gathered_products`, each layer's weight read from its [L, C, O] stack in place) and
 `xla` (jnp.dot on [O, C]). Times: the device span per chain from a `jax.profiler` trace
 (first kernel start to last kernel end) and the wall clock; floor = weight bytes / copy bandwidth.
@@ -110,6 +114,17 @@ class Stage:
         return max((end - 1) // self.blocks - start // self.blocks + 1
                    for start, end in (self.run(p, programs) for p in range(programs)))
 
+    def first_part(self, p: Any, programs: int) -> Any:
+        """The first of the `window` parts program p loads (its run's first part, moved back so that
+        the window stays inside C)."""
+        return jnp.minimum(self.run(p, programs)[0] // self.blocks, self.split - self.window(programs))
+
+    def input_blocks(self, p: Any, programs: int) -> tuple[Any, Any]:
+        """The 64-row blocks [lo, hi) of the stage before whose outputs program p's input window
+        holds: what the `dataflow` form waits for."""
+        part0 = self.first_part(p, programs)
+        return part0 * self.part // ROWS, (part0 + self.window(programs)) * self.part // ROWS
+
 
 def choose_split(o: int, c: int, programs: int, tk: int, max_split: int) -> int:
     """The split of C (a multiple of ROW_GROUP, C / split a multiple of tk) whose items deal out most
@@ -168,12 +183,22 @@ def worst_stage_error(x0_NC: jax.Array, outs: list[jax.Array], w: dict[str, jax.
     return max(rel_l2(o, stage_reference(x, w, st)) for x, o, st in zip(ins, outs, stages, strict=True))
 
 
+SYNCS = ("grid", "blocks", "none")
+FORM_SYNC = {"persistent": "grid", "dataflow": "blocks", "unsynced": "none"}  # one-launch forms
+
+
 def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
-               sync: bool = True, interpret: bool = False) -> list[jax.Array]:
-    """All `stages` in one Mosaic-GPU launch of `programs` programs (one per SM: a barrier needs every
-    program resident), returning every stage's X. One stage: no barrier (the `phased` form).
-    `sync=False` drops the barriers: wrong results, the weight stream's pace without them."""
+               sync: str = "grid", interpret: bool = False) -> list[jax.Array]:
+    """All `stages` in one Mosaic-GPU launch of `programs` programs (one per SM: a program that waits
+    needs every other resident), returning every stage's X. One stage: no waits (the `phased` form).
+    How a stage waits for the one before (`sync`): "grid", a barrier of every program; "blocks",
+    only for the 64-row blocks of the stage before that its input window holds, each counted
+    complete when all of that stage's parts are written (the `dataflow` form); "none", not at all
+    (wrong results: the weight stream's pace without waits)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if sync not in SYNCS:
+        raise ValueError(f"chain_mgpu: sync {sync!r} is not one of {SYNCS}")
 
     if any(st.tk % 64 or st.part % st.tk for st in stages):
         raise ValueError("chain_mgpu: every stage's tk must be a multiple of 64 dividing its part")
@@ -186,10 +211,10 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
     widths = sorted(view_rows)
     if len(stages) > 1 and min(st.items for st in stages) < programs:
         raise ValueError(f"chain_mgpu: every stage needs at least {programs} items (one per program)")
-    barrier = sync and len(stages) > 1 and programs > 1
+    waits = sync != "none" and len(stages) > 1 and programs > 1
     sms = None if interpret else getattr(jax.devices()[0], "core_count", None)
-    if barrier and sms is not None and programs > sms:  # programs not all resident would wait forever
-        raise ValueError(f"chain_mgpu: {programs} programs with barriers need as many SMs ({sms} here)")
+    if waits and sms is not None and programs > sms:  # programs not all resident would wait forever
+        raise ValueError(f"chain_mgpu: {programs} programs that wait for each other need as many SMs ({sms} here)")
     # The fetch `depth` tiles ahead may land this many stages on (every program has >= min tiles per stage).
     min_tiles = min(st.items // programs * st.ksteps for st in stages)
     reach = 1 + -(-depth // max(min_tiles, 1))
@@ -204,9 +229,12 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
         outs = refs[len(roles):len(roles) + len(stages)]
         ring_union, x_union, out_smem, w_bars, x_bar = refs[len(roles) + len(stages):]
         ring = dict(zip(widths, ring_union, strict=True))
-        # One counter for the whole grid (a semaphore in scratch_types would be one per program);
-        # zeroed before every launch.
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(())) if barrier else None
+        # Counters in global memory (a semaphore in scratch_types would be one per program), zeroed
+        # before every launch: one for the grid, or one per stage and output block.
+        if waits and sync == "grid":
+            sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        elif waits:
+            sem = pl.get_global(plgpu.SemaphoreType.REGULAR((len(stages) - 1, max(st.blocks for st in stages))))
         x_smem = dict(zip(x_shapes, x_union, strict=True))
         p = lax.axis_index("p")
         runs = [st.run(p, programs) for st in stages]  # this program's items
@@ -239,11 +267,17 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
         for l in range(depth):  # the first weight tiles before anything else
             fetch_ahead(0, jnp.int32(l))
         for s, st in enumerate(stages):
-            if barrier and s:  # every program's stage s-1 output is in GMEM before anyone reads it
+            if waits and s and sync == "grid":  # every program's stage s-1 output is in GMEM before anyone reads it
                 plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
                 plgpu.semaphore_wait(sem, s * programs, decrement=False, memory_scope="gpu")
+            elif waits and s:  # the blocks of stage s-1 this program reads: every part of each written
+
+                @pl.loop(*st.input_blocks(p, programs))
+                def _wait(b, s=s):
+                    plgpu.semaphore_wait(sem.at[s - 1, b], stages[s - 1].split, decrement=False, memory_scope="gpu")
+
             x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
-            part0 = jnp.minimum(runs[s][0] // st.blocks, st.split - windows[s])
+            part0 = st.first_part(p, programs)
             src = x0_gmem if s == 0 else outs[s - 1]
             plgpu.copy_gmem_to_smem(src.at[:, pl.ds(part0 * st.part, windows[s] * st.part)], x_ref, x_bar)
             plgpu.barrier_wait(x_bar)
@@ -273,6 +307,11 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                 plgpu.copy_smem_to_gmem(buf, outs[s].at[t, pl.ds(r * ROWS, ROWS)])
 
             plgpu.wait_smem_to_gmem(0)  # this stage's outputs are written (before the next barrier)
+            if waits and sync == "blocks" and s + 1 < len(stages):  # one count per item to its block
+
+                @pl.loop(0, runs[s][1] - runs[s][0])
+                def _signal(j, s=s):
+                    plgpu.semaphore_signal(sem.at[s, item_rows_part(s, j)[0]], 1, memory_scope="gpu")
 
     scratch = [plgpu.RefUnion(*[plgpu.SMEM((depth, view_rows[tk], tk), jnp.bfloat16, transforms=tiled)
                                 for tk in widths]),
@@ -320,7 +359,8 @@ def main() -> None:
     ap.add_argument("--tk-max", type=int, nargs="+", default=[64, 256], help="widest weight tile (columns)")
     ap.add_argument("--max-split", type=int, default=24)
     ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"],
-                    help="also `unsynced`: persistent without its barriers (a diagnostic; its results are wrong)")
+                    help="also `dataflow` (persistent, each program waiting only for the blocks it reads) and "
+                    "`unsynced` (persistent without waits: a diagnostic; its results are wrong)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 1 program, the interpreter")
     args = ap.parse_args()
@@ -347,7 +387,7 @@ def main() -> None:
           flush=True)
     configs = [(f, {}) for f in ("xla", "triton") if f in args.forms]
     configs += [(f, {"depth": d, "tk_max": t}) for t in tk_maxes for d in depths
-                for f in ("phased", "persistent", "unsynced") if f in args.forms]
+                for f in ("phased", *FORM_SYNC) if f in args.forms]
     for form, cfg in configs:
         row: dict[str, Any] = {"form": form, **cfg}
         try:
@@ -356,7 +396,7 @@ def main() -> None:
                 call = functools.partial(fn, x, w)
                 row["rel_l2_final"] = rel_l2(call(), ref_final)
             else:
-                chain_fn = chain_phased if form == "phased" else functools.partial(chain_mgpu, sync=form != "unsynced")
+                chain_fn = chain_phased if form == "phased" else functools.partial(chain_mgpu, sync=FORM_SYNC[form])
                 fn = jax.jit(functools.partial(chain_fn, stages=plans[cfg["tk_max"]], programs=programs,
                                                depth=cfg["depth"], interpret=not gpu))
                 call = functools.partial(fn, x0, w)

@@ -282,6 +282,16 @@ def test_mgpu_persistent_plan_deals_every_item_once():
     assert {e - s for s, e in runs} <= {st.items // 7, st.items // 7 + 1}
     blocks = st.o // 64
     assert st.window(7) == max((e - 1) // blocks - s // blocks + 1 for s, e in runs)
+    # The dataflow form's waits: the blocks of the stage before that hold every input column a
+    # program's items read, and no block past the C values the stage reads.
+    for programs in (5, 7, 132):
+        stages = plan(Dims(), 2, programs)
+        for prev, st in itertools.pairwise(stages):
+            for p in range(programs):
+                lo, hi = (int(v) for v in st.input_blocks(p, programs))
+                start, end = st.run(p, programs)
+                parts = {i // st.blocks for i in range(start, end)}
+                assert lo * 64 <= min(parts) * st.part and (max(parts) + 1) * st.part <= hi * 64 <= st.c <= prev.o
 
 
 @pytest.mark.parametrize(("form", "programs"), [("phased", 3), ("persistent", 1)])
