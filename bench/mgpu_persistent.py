@@ -34,8 +34,9 @@ synchronisation alone. How a stage is split (`Stage`):
 The barrier is one counter for the grid (`pl.get_global`: a semaphore in `scratch_types` would be
 one per program), zeroed before each launch; each program adds 1 after a stage's outputs are
 written and waits for stage x programs. The `dataflow` form has no barrier: a counter per stage and
-part of the next stage's C counts the items written into that part's columns (each program adds
-its items' count once per part, `for_each_signal`), and a program starting a stage waits only for
+part of the next stage's C counts the runs of blocks written into that part's columns (a program
+adds 1 per part of the stage before and part of the next C it wrote in, `for_each_signal`;
+complete at `signal_targets`), and a program starting a stage waits only for
 the 1-3 parts its input window holds, so a late program holds back only those that read its
 outputs.
 
@@ -124,10 +125,12 @@ class Stage:
 
 
 def for_each_signal(prev: Stage, st: Stage, p: Any, programs: int, loop: Callable, emit: Callable) -> None:
-    """The `dataflow` form's counts from program p after stage `prev`: `emit(q, n)` for every part q
-    of the next stage `st`'s C that holds n of p's items (one item: one 64-row block of one part of
-    `prev`), so counter q reaches prev.split x (st.part / 64) exactly when every block of `st`'s part
-    q is written. `loop(lo, hi)` is a loop decorator: `pl.loop` in the kernel, a Python loop in tests."""
+    """The `dataflow` form's signals from program p after stage `prev`: `emit(t, q, lo, hi)` once for
+    every part t of `prev` and part q of the next stage `st`'s C in which p wrote blocks [lo, hi)
+    (an item: one 64-row block of one part of `prev`; q's columns are blocks q x st.part / 64 on).
+    Each emit adds 1 to counter q, which is complete at `signal_targets`. `loop(lo, hi)` is a loop
+    decorator: `pl.loop` in the kernel, a Python loop in tests. (A signal's increment must be a
+    constant in Mosaic GPU, so a signal counts a program's run of blocks, not the blocks.)"""
     start, end = prev.run(p, programs)
     per_part, used = st.part // ROWS, st.c // ROWS  # blocks of prev per part of st; blocks st reads
 
@@ -138,7 +141,24 @@ def for_each_signal(prev: Stage, st: Stage, p: Any, programs: int, loop: Callabl
 
         @loop(r0 // per_part, (r1 + per_part - 1) // per_part)
         def _q(q: Any) -> None:
-            emit(q, jnp.minimum(r1, (q + 1) * per_part) - jnp.maximum(r0, q * per_part))
+            emit(t, q, jnp.maximum(r0, q * per_part), jnp.minimum(r1, (q + 1) * per_part))
+
+
+def python_loop(lo: Any, hi: Any) -> Callable:
+    """`for_each_signal`'s loop outside a kernel."""
+    return lambda body: [body(i) for i in range(int(lo), int(hi))]
+
+
+def signal_targets(prev: Stage, st: Stage, programs: int) -> list[int]:
+    """How many signals each part q of `st`'s C gets from all programs after `prev`."""
+    counts = [0] * st.split
+
+    def emit(t: Any, q: Any, lo: Any, hi: Any) -> None:
+        counts[int(q)] += 1
+
+    for p in range(programs):
+        for_each_signal(prev, st, p, programs, python_loop, emit)
+    return counts
 
 
 def choose_split(o: int, c: int, programs: int, tk: int, max_split: int) -> int:
@@ -288,10 +308,13 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             elif waits and s:  # the parts of this stage's C that its run reads: every block of each written
                 part0 = st.first_part(p, programs)
 
+                targets = signal_targets(stages[s - 1], st, programs)
+
                 @pl.loop(part0, part0 + windows[s])
-                def _wait(q, s=s, st=st):
-                    plgpu.semaphore_wait(sem.at[s - 1, q], stages[s - 1].split * st.part // ROWS,
-                                         decrement=False, memory_scope="gpu")
+                def _wait(q, targets=targets, s=s):
+                    target = functools.reduce(lambda acc, qt: jnp.where(q == qt[0], qt[1], acc),
+                                              enumerate(targets), jnp.int32(0))
+                    plgpu.semaphore_wait(sem.at[s - 1, q], target, decrement=False, memory_scope="gpu")
 
             x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
             part0 = st.first_part(p, programs)
@@ -326,7 +349,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             plgpu.wait_smem_to_gmem(0)  # this stage's outputs are written (before the next barrier)
             if waits and sync == "parts" and s + 1 < len(stages):  # the items written, per part of the next C
                 for_each_signal(st, stages[s + 1], p, programs, pl.loop,
-                                lambda q, n, s=s: plgpu.semaphore_signal(sem.at[s, q], n, memory_scope="gpu"))
+                                lambda t, q, lo, hi, s=s: plgpu.semaphore_signal(sem.at[s, q], 1, memory_scope="gpu"))
 
     scratch = [plgpu.RefUnion(*[plgpu.SMEM((depth, view_rows[tk], tk), jnp.bfloat16, transforms=tiled)
                                 for tk in widths]),

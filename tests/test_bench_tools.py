@@ -267,7 +267,7 @@ def test_pdl_chain_triton_row_gemv_is_the_product_and_waits(h200_lowering):
 def test_mgpu_persistent_plan_deals_every_item_once():
     """bench/mgpu_persistent.py's split choice: the most even deal of (part, block) items over the
     programs, parts a multiple of 64 columns; a program's run and the input columns it loads."""
-    from bench.mgpu_persistent import Dims, Stage, choose_split, for_each_signal, plan
+    from bench.mgpu_persistent import Dims, Stage, choose_split, for_each_signal, plan, python_loop, signal_targets
 
     assert choose_split(1536, 2048, 132, 64, 24) == 16  # 384 items: 3 rounds of 132 (2.9 on average)
     assert choose_split(1536, 4608, 132, 64, 24) == 24  # 8: 192 items would take 2 rounds for 1.45
@@ -283,24 +283,26 @@ def test_mgpu_persistent_plan_deals_every_item_once():
     assert {e - s for s, e in runs} <= {st.items // 7, st.items // 7 + 1}
     blocks = st.o // 64
     assert st.window(7) == max((e - 1) // blocks - s // blocks + 1 for s, e in runs)
-    # The dataflow form's counts: over all programs, every part of the next stage's C gets exactly
-    # the items of the stage before in its columns (a counter short of it would wait forever, one
-    # reaching it early would let a stage read unwritten input), and no count for columns not read.
-    def py_loop(lo, hi):
-        return lambda body: [body(i) for i in range(int(lo), int(hi))]
-
+    # The dataflow form's signals: over all programs, the runs signalled to each part of the next
+    # stage's C hold every block of the stage before in its columns exactly once (a counter that
+    # completed before that would let a stage read unwritten input), and their number is the target.
     for programs in (5, 7, 132):
         stages = plan(Dims(), 2, programs)
         for prev, st in itertools.pairwise(stages):
-            counts = collections.Counter()
+            written, signals = collections.defaultdict(list), collections.Counter()
 
-            def emit(q, n, counts=counts, split=st.split):
-                assert 0 <= int(q) < split and int(n) > 0
-                counts[int(q)] += int(n)
+            def emit(t, q, lo, hi, written=written, signals=signals):
+                assert int(lo) < int(hi)
+                written[int(q)] += [(int(t), b) for b in range(int(lo), int(hi))]
+                signals[int(q)] += 1
 
             for p in range(programs):
-                for_each_signal(prev, st, p, programs, py_loop, emit)
-            assert counts == dict.fromkeys(range(st.split), prev.split * st.part // 64)
+                for_each_signal(prev, st, p, programs, python_loop, emit)
+            per_part = st.part // 64
+            assert {q: sorted(v) for q, v in written.items()} == {
+                q: list(itertools.product(range(prev.split), range(q * per_part, (q + 1) * per_part)))
+                for q in range(st.split)}
+            assert signal_targets(prev, st, programs) == [signals[q] for q in range(st.split)]
 
 
 @pytest.mark.parametrize(("form", "programs"), [("phased", 3), ("persistent", 1)])
