@@ -136,17 +136,25 @@ def for_each_signal(prev: Stage, st: Stage, p: Any, programs: int, loop: Callabl
 
     @loop(start // prev.blocks, (end - 1) // prev.blocks + 1)
     def _part(t: Any) -> None:  # p's blocks [r0, r1) of prev's part t, those st reads
-        r0 = jnp.clip(start - t * prev.blocks, 0, prev.blocks)
-        r1 = jnp.minimum(jnp.clip(end - t * prev.blocks, 0, prev.blocks), used)
+        r0 = _max(start - t * prev.blocks, 0)
+        r1 = _min(end - t * prev.blocks, min(prev.blocks, used))
 
         @loop(r0 // per_part, (r1 + per_part - 1) // per_part)
         def _q(q: Any) -> None:
-            emit(t, q, jnp.maximum(r0, q * per_part), jnp.minimum(r1, (q + 1) * per_part))
+            emit(t, q, _max(r0, q * per_part), _min(r1, (q + 1) * per_part))
+
+
+def _min(a: Any, b: Any) -> Any:  # Python ints stay Python ints (a jnp op under a trace would not)
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _max(a: Any, b: Any) -> Any:
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
 
 
 def python_loop(lo: Any, hi: Any) -> Callable:
     """`for_each_signal`'s loop outside a kernel."""
-    return lambda body: [body(i) for i in range(int(lo), int(hi))]
+    return lambda body: [body(i) for i in range(lo, hi)]
 
 
 def signal_targets(prev: Stage, st: Stage, programs: int) -> list[int]:
