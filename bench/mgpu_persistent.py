@@ -231,13 +231,15 @@ FORM_SYNC = {"persistent": "grid", "dataflow": "parts", "unsynced": "none"}  # o
 
 
 def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
-               sync: str = "grid", interpret: bool = False) -> list[jax.Array]:
+               sync: str = "grid", l2_ahead: int = 0, interpret: bool = False) -> list[jax.Array]:
     """All `stages` in one Mosaic-GPU launch of `programs` programs (one per SM: a program that waits
     needs every other resident), returning every stage's X. One stage: no waits (the `phased` form).
     How a stage waits for the one before (`sync`): "grid", a barrier of every program; "parts",
     only for the parts of its C that the program's input window holds, each counted complete when
     every 64-row block of the stage before in it is written (the `dataflow` form, `for_each_signal`);
-    "none", not at all (wrong results: the weight stream's pace without waits)."""
+    "none", not at all (wrong results: the weight stream's pace without waits). `l2_ahead` > 0: each
+    program also asks for its tile `depth + l2_ahead` ahead into L2 (a TMA prefetch, no shared
+    memory), so the weight stream stays in flight while the program waits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if sync not in SYNCS:
@@ -260,7 +262,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
         raise ValueError(f"chain_mgpu: {programs} programs that wait for each other need as many SMs ({sms} here)")
     # The fetch `depth` tiles ahead may land this many stages on (every program has >= min tiles per stage).
     min_tiles = min(st.items // programs * st.ksteps for st in stages)
-    reach = 1 + -(-depth // max(min_tiles, 1))
+    reach = 1 + -(-(depth + l2_ahead) // max(min_tiles, 1))
     swizzle = plgpu.find_swizzle(64 * 16)  # 64 bf16 per swizzled row: 128 bytes
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(swizzle))
     windows = [st.window(programs) for st in stages]
@@ -291,24 +293,27 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             i = runs[s][0] + j
             return i % stages[s].blocks, i // stages[s].blocks
 
-        def fetch(s: int, l: Any) -> None:  # stage s's local tile l into ring slot (base + l) % depth
+        def fetch(s: int, l: Any, to_l2: bool) -> None:  # stage s's local tile l into ring slot (base + l) % depth
             st = stages[s]
             r, t = item_rows_part(s, l // st.ksteps)
             slot = (base[s] + l) % depth
             tk = st.tk
             src = w_gmem[st.role].at[st.layer, pl.ds(r * ROWS, ROWS), pl.ds(t * st.part + (l % st.ksteps) * tk, tk)]
-            plgpu.copy_gmem_to_smem(src, ring_tile(slot, tk), w_bars.at[slot])
+            if to_l2:  # or only into L2
+                plgpu.async_prefetch(src)
+            else:
+                plgpu.copy_gmem_to_smem(src, ring_tile(slot, tk), w_bars.at[slot])
 
-        def fetch_ahead(s: int, l: Any) -> None:  # local tile l of stage s, which may lie in a later stage
+        def fetch_ahead(s: int, l: Any, to_l2: bool = False) -> None:  # local tile l of stage s, maybe of a later stage
             lo = jnp.int32(0)
             for s2 in range(s, min(s + reach + 1, len(stages))):
                 @pl.when((l >= lo) & (l < lo + tiles[s2]))
                 def _fetch(s2=s2, lo=lo):
-                    fetch(s2, l - lo)
+                    fetch(s2, l - lo, to_l2)
                 lo = lo + tiles[s2]
 
-        for l in range(depth):  # the first weight tiles before anything else
-            fetch_ahead(0, jnp.int32(l))
+        for l in range(depth + l2_ahead):  # the first weight tiles before anything else
+            fetch_ahead(0, jnp.int32(l), to_l2=l >= depth)
         for s, st in enumerate(stages):
             if waits and s and sync == "grid":  # every program's stage s-1 output is in GMEM before anyone reads it
                 plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
@@ -344,6 +349,8 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                         plgpu.wgmma(acc, ring_tile(slot, st.tk), x_tile.transpose((1, 0)))
                         plgpu.wgmma_wait(0)
                         fetch_ahead(s, l + depth)
+                        if l2_ahead:
+                            fetch_ahead(s, l + depth + l2_ahead, to_l2=True)
 
                     return acc[...]
 
@@ -405,8 +412,10 @@ def main() -> None:
     ap.add_argument("--tk-max", type=int, nargs="+", default=[64, 256], help="widest weight tile (columns)")
     ap.add_argument("--max-split", type=int, default=24)
     ap.add_argument("--forms", nargs="+", default=["xla", "triton", "phased", "persistent"],
-                    help="also `dataflow` (persistent, each program waiting only for the blocks it reads) and "
+                    help="also `dataflow` (persistent, each program waiting only for the parts it reads) and "
                     "`unsynced` (persistent without waits: a diagnostic; its results are wrong)")
+    ap.add_argument("--l2-ahead", type=int, nargs="+", default=[0],
+                    help="tiles past the ring each program also prefetches into L2 (0: none)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 1 program, the interpreter")
     args = ap.parse_args()
@@ -432,8 +441,8 @@ def main() -> None:
     print(f"{layers} layers, {nbytes / 1e6:.1f} MB, floor {nbytes / bw * 1e6:.1f} us; splits {result['splits']}",
           flush=True)
     configs = [(f, {}) for f in ("xla", "triton") if f in args.forms]
-    configs += [(f, {"depth": d, "tk_max": t}) for t in tk_maxes for d in depths
-                for f in ("phased", *FORM_SYNC) if f in args.forms]
+    configs += [(f, {"depth": d, "tk_max": t, "l2_ahead": a}) for t in tk_maxes for d in depths
+                for a in args.l2_ahead for f in ("phased", *FORM_SYNC) if f in args.forms]
     for form, cfg in configs:
         row: dict[str, Any] = {"form": form, **cfg}
         try:
@@ -444,7 +453,7 @@ def main() -> None:
             else:
                 chain_fn = chain_phased if form == "phased" else functools.partial(chain_mgpu, sync=FORM_SYNC[form])
                 fn = jax.jit(functools.partial(chain_fn, stages=plans[cfg["tk_max"]], programs=programs,
-                                               depth=cfg["depth"], interpret=not gpu))
+                                               depth=cfg["depth"], l2_ahead=cfg["l2_ahead"], interpret=not gpu))
                 call = functools.partial(fn, x0, w)
                 outs = call()
                 row["rel_l2_worst_stage"] = worst_stage_error(x0, outs, w, plans[cfg["tk_max"]])
