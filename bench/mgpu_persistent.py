@@ -36,11 +36,12 @@ one per program), zeroed before each launch; each program adds 1 after a stage's
 written and waits for stage x programs. The `dataflow` form has no barrier: a counter per stage and
 part of the next stage's C counts the runs of blocks written into that part's columns (a program
 adds 1 per part of the stage before and part of the next C it wrote in, `for_each_signal`;
-complete at `signal_targets`), and a program starting a stage waits only for
-the 1-3 parts its input window holds, so a late program holds back only those that read its
-outputs.
+complete at `signal_targets`), and a program starting a stage waits only for the 1-3 parts its
+input window holds, so a late program holds back only those that read its outputs. `--l2-ahead K`
+has every program also prefetch its tile K past the ring into L2 (no shared memory needed), to keep
+the weight stream in flight while it waits.
 
-Forms: `persistent` (all stages in one launch, grid barriers), `dataflow` (one launch, block
+Forms: `persistent` (all stages in one launch, grid barriers), `dataflow` (one launch, part
 counters), `phased` (the same stage code, one launch per stage: what a kernel-per-op step does),
 `unsynced` (one launch without waits: a diagnostic of the stream's pace, its results wrong by
 design), `triton` (the decode step's Pallas-Triton gemv,
@@ -121,7 +122,6 @@ class Stage:
         """The first of the `window` parts program p loads (its run's first part, moved back so that
         the window stays inside C)."""
         return jnp.minimum(self.run(p, programs)[0] // self.blocks, self.split - self.window(programs))
-
 
 
 def for_each_signal(prev: Stage, st: Stage, p: Any, programs: int, loop: Callable, emit: Callable) -> None:
@@ -275,7 +275,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
         ring_union, x_union, out_smem, w_bars, x_bar = refs[len(roles) + len(stages):]
         ring = dict(zip(widths, ring_union, strict=True))
         # Counters in global memory (a semaphore in scratch_types would be one per program), zeroed
-        # before every launch: one for the grid, or one per stage and output block.
+        # before every launch: one for the grid, or one per stage and part of the next stage's C.
         if waits and sync == "grid":
             sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         elif waits:
@@ -299,7 +299,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
             slot = (base[s] + l) % depth
             tk = st.tk
             src = w_gmem[st.role].at[st.layer, pl.ds(r * ROWS, ROWS), pl.ds(t * st.part + (l % st.ksteps) * tk, tk)]
-            if to_l2:  # or only into L2
+            if to_l2:  # a prefetch into L2 only
                 plgpu.async_prefetch(src)
             else:
                 plgpu.copy_gmem_to_smem(src, ring_tile(slot, tk), w_bars.at[slot])
@@ -315,12 +315,11 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
         for l in range(depth + l2_ahead):  # the first weight tiles before anything else
             fetch_ahead(0, jnp.int32(l), to_l2=l >= depth)
         for s, st in enumerate(stages):
+            part0 = st.first_part(p, programs)  # the first part of the input this program's run needs
             if waits and s and sync == "grid":  # every program's stage s-1 output is in GMEM before anyone reads it
                 plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
                 plgpu.semaphore_wait(sem, s * programs, decrement=False, memory_scope="gpu")
             elif waits and s:  # the parts of this stage's C that its run reads: every block of each written
-                part0 = st.first_part(p, programs)
-
                 targets = signal_targets(stages[s - 1], st, programs)
 
                 @pl.loop(part0, part0 + windows[s])
@@ -329,8 +328,7 @@ def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *
                                               enumerate(targets), jnp.int32(0))
                     plgpu.semaphore_wait(sem.at[s - 1, q], target, decrement=False, memory_scope="gpu")
 
-            x_ref = x_smem[st.n, windows[s] * st.part]  # the parts of the input this program's run needs
-            part0 = st.first_part(p, programs)
+            x_ref = x_smem[st.n, windows[s] * st.part]
             src = x0_gmem if s == 0 else outs[s - 1]
             plgpu.copy_gmem_to_smem(src.at[:, pl.ds(part0 * st.part, windows[s] * st.part)], x_ref, x_bar)
             plgpu.barrier_wait(x_bar)
