@@ -406,6 +406,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dims", type=int, nargs=4, metavar=("D", "A", "H", "F"),
+                    help="the chain's widths (default Ling-3.0-tiny's); small ones keep the weights in L2")
     ap.add_argument("--depth", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--tk-max", type=int, nargs="+", default=[64, 256], help="widest weight tile (columns)")
     ap.add_argument("--max-split", type=int, default=24)
@@ -418,7 +420,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 1 program, the interpreter")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu" and not args.smoke
-    dims = Dims() if not args.smoke else Dims(d=1024, a=512, h=512, f=512)
+    dims = Dims(*args.dims) if args.dims else Dims() if not args.smoke else Dims(d=1024, a=512, h=512, f=512)
     layers = args.layers if not args.smoke else 2
     programs = jax.devices()[0].core_count if gpu else 1
     depths, tk_maxes = (args.depth, args.tk_max) if not args.smoke else ([3], [64, 128])
