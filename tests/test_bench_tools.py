@@ -303,6 +303,10 @@ def test_mgpu_persistent_plan_deals_every_item_once():
                 q: list(itertools.product(range(prev.split), range(q * per_part, (q + 1) * per_part)))
                 for q in range(st.split)}
             assert signal_targets(prev, st, programs) == [signals[q] for q in range(st.split)]
+            for p in range(programs):  # and a program waits for every part its items read
+                start, end = st.run(p, programs)
+                part0 = int(st.first_part(p, programs))
+                assert {i // st.blocks for i in range(start, end)} <= set(range(part0, part0 + st.window(programs)))
 
 
 @pytest.mark.parametrize(("form", "programs"), [("phased", 3), ("persistent", 1)])
