@@ -226,8 +226,8 @@ def worst_stage_error(x0_NC: jax.Array, outs: list[jax.Array], w: dict[str, jax.
     return max(rel_l2(o, stage_reference(x, w, st)) for x, o, st in zip(ins, outs, stages, strict=True))
 
 
-SYNCS = ("grid", "parts", "none")
-FORM_SYNC = {"persistent": "grid", "dataflow": "parts", "unsynced": "none"}  # one-launch forms
+FORM_SYNC = {"persistent": "grid", "dataflow": "parts", "unsynced": "none"}  # one-launch forms -> chain_mgpu's sync
+SYNCS = tuple(FORM_SYNC.values())
 
 
 def chain_mgpu(x0_NC: jax.Array, w: dict[str, jax.Array], stages: list[Stage], *, programs: int, depth: int,
@@ -420,7 +420,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="small widths, 2 layers, 1 program, the interpreter")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu" and not args.smoke
-    dims = Dims(*args.dims) if args.dims else Dims() if not args.smoke else Dims(d=1024, a=512, h=512, f=512)
+    dims = Dims(*args.dims) if args.dims else Dims(d=1024, a=512, h=512, f=512) if args.smoke else Dims()
     layers = args.layers if not args.smoke else 2
     programs = jax.devices()[0].core_count if gpu else 1
     depths, tk_maxes = (args.depth, args.tk_max) if not args.smoke else ([3], [64, 128])
