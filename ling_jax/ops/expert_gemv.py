@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +30,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.norms import inv_rms, rms_norm, sum_squares
 from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
 MIN_TILE = 16
 NUM_WARPS = 4
-MAX_NORM_CHUNK = 1024  # the widest piece of a row the RMS-norm prologue loads at once
 MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elementwise (more: one reduce)
 # Triton's L2 eviction policy for the weight tiles (None: the default). evict_first measured -2.5% per
 # batch-1 decode step on an H200 (BENCHMARKS.md, eleventh session)
@@ -48,14 +46,17 @@ WEIGHT_EVICTION: str | None = "evict_first"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NormedRows:
-    """`rms_norm(x, weight[layer], eps)` not yet computed: rows for the kernel to normalise as it reads
-    them (`gathered_partials`), so that a decode step's RMSNorm costs no launches of its own. The
-    norm weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied).
-    Other consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
+    """`rms_norm(x, weight[layer], eps)` not yet applied: rows for the kernel to normalise as it reads
+    them (`gathered_partials`), so that a decode step's RMSNorm costs no launch of its own. Each
+    row's sum of squares comes with them (`normed_rows` reduces it in XLA): a program that summed its
+    row's squares itself took 1.4-1.8 us longer on a 30 MB weight (H200, BENCHMARKS.md). The norm
+    weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied). Other
+    consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
 
     x: jax.Array  # [..., C] the rows before the norm
     weight: jax.Array  # [L, C] the norm weights of a segment's layers
     layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
+    ss: jax.Array  # [..., 1] float32, `layers.norms.sum_squares(x)`
     eps: float = dataclasses.field(metadata={"static": True})
 
     @property
@@ -68,18 +69,23 @@ class NormedRows:
 
     def value(self) -> jax.Array:
         """The normed rows as an array (the model's `rms_norm`, in XLA)."""
-        return rms_norm(self.x, self.weight[self.layer], self.eps)
+        return rms_norm(self.x, self.weight[self.layer], self.eps, self.ss)
 
     def reshape(self, *shape: int) -> NormedRows:
-        return self._rows(self.x.reshape(*shape))
+        return self._rows(self.x.reshape(*shape), self.ss.reshape(*shape[:-1], 1))
 
     def __getitem__(self, index: object) -> NormedRows:
-        return self._rows(self.x[index])
+        return self._rows(self.x[index], self.ss[index])
 
-    def _rows(self, x: jax.Array) -> NormedRows:
+    def _rows(self, x: jax.Array, ss: jax.Array) -> NormedRows:
         if x.shape[-1] != self.x.shape[-1]:
             raise ValueError(f"NormedRows: the normed axis ({self.x.shape[-1]}) must stay last, got {x.shape}")
-        return dataclasses.replace(self, x=x)
+        return dataclasses.replace(self, x=x, ss=ss)
+
+
+def normed_rows(x: jax.Array, weight: jax.Array, layer: jax.Array, eps: float) -> NormedRows:
+    """x [..., C] to be RMS-normed with weight[layer] ([L, C] stack) by the kernels that read it."""
+    return NormedRows(x, weight, layer, sum_squares(x), eps)
 
 
 def dense(x: jax.Array | NormedRows) -> jax.Array:
@@ -111,15 +117,13 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _normed(x_C: jax.Array, x_ref, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, eps: float) -> jax.Array:
-    """The prologue of `NormedRows`: the tile x_C [BC] of row `row`, RMS-normed over the whole row with
-    the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast, times the weight)."""
-    w_ref, layer_ref = norm_refs
-    c = x_ref.shape[-1]
-    chunk = _tile(c, MAX_NORM_CHUNK)  # the row in a few power-of-two pieces, loaded together, summed once
-    squares = [jnp.square(x_ref[row, pl.ds(j * chunk, chunk)].astype(jnp.float32)) for j in range(c // chunk)]
-    r = jax.lax.rsqrt(jnp.sum(functools.reduce(operator.add, squares)) / c + eps)
-    dt = x_ref.dtype
+def _normed(x_C: jax.Array, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, c: int, eps: float,
+            dt: jnp.dtype) -> jax.Array:
+    """The prologue of `NormedRows`: the tile x_C [BC] of row `row` RMS-normed from the row's sum of
+    squares, with the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast,
+    times the weight)."""
+    w_ref, layer_ref, ss_ref = norm_refs
+    r = inv_rms(ss_ref[row], c, eps)
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
@@ -133,7 +137,7 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
             extra_fixed: bool, bc: int, bo: int, eps: float | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = row_ref[m]
-    norm_refs, refs = (refs[:2], refs[2:]) if eps is not None else ((), refs)
+    norm_refs, refs = (refs[:3], refs[3:]) if eps is not None else ((), refs)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def products(tiles: list, e: jax.Array) -> list:
@@ -142,7 +146,7 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
         w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)]) for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if norm_refs:
-            x_C = _normed(x_C, x_ref, row, norm_refs, s, bc, eps)
+            x_C = _normed(x_C, row, norm_refs, s, bc, x_ref.shape[-1], eps, x_ref.dtype)
         return [jnp.sum(x_C[:, None] * w_CO.astype(jnp.float32), axis=0) for w_CO in w_COs]
 
     @pl.when(m < n_main)
@@ -173,8 +177,8 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     copies from `n_main` on read their output j from x[rows[m]] @ stack_j[idx[m], :, col_j : col_j
     + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
-    normalises its tile of the row itself (the row's sum of squares over all of C, then the model's
-    RMSNorm). `interpret` defaults to True off GPU.
+    normalises its tile of the row itself (from the row's sum of squares, the model's RMSNorm).
+    `interpret` defaults to True off GPU.
 
     `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
     idx holds only those n_main: every copy from n_main on takes expert `extra_idx`. The kernel
@@ -193,12 +197,12 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
-    norm = ()
-    eps = None
+    norm, eps = (), None
     if isinstance(x_RC, NormedRows):
         if x_RC.weight.shape[-1] != x_RC.shape[-1]:
             raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
-        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32)), x_RC.eps
+        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32),
+                      x_RC.ss.reshape(-1).astype(jnp.float32)), x_RC.eps
         x_RC = x_RC.x
     r, c = x_RC.shape
     if extra_idx is not None and (rows is None or n_main != idx_M.shape[0]):

@@ -23,7 +23,7 @@ import numpy as np
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv, stack_matmul
-from ling_jax.ops.expert_gemv import NormedRows, dense
+from ling_jax.ops.expert_gemv import NormedRows, dense, normed_rows
 
 FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
 
@@ -75,7 +75,7 @@ def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | 
     with the norm left to the gemv kernels that read them (`NormedRows`; `linear` and the MoE take
     them, other consumers call `expert_gemv.dense`)."""
     if isinstance(w, WeightStack):
-        return NormedRows(x, w.stack, w.layer, eps)
+        return normed_rows(x, w.stack, w.layer, eps)
     return rms_norm(x, w, eps)
 
 

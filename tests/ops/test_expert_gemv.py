@@ -11,7 +11,7 @@ from conftest import rel_l2
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.expert_gemv import NormedRows, add_partials, gathered_products, supported
+from ling_jax.ops.expert_gemv import add_partials, gathered_products, normed_rows, supported
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -92,11 +92,11 @@ def test_offset_and_extra_index_from_the_operand(traced):
         gathered_products(x, jnp.concatenate([sel, sel[:r]]), ws, extra_idx=3, **kw)
 
 
-@pytest.mark.parametrize("c", [96, 2048])  # the row's sum of squares in 3 x 32 and 2 x 1024 pieces
+@pytest.mark.parametrize("c", [96, 2048])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-3)])
 def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
-    """x as `NormedRows`: each program RMS-norms its tile of the row (sum of squares over the whole row,
-    the norm weight read from its stack at a traced layer) and the products equal those of the rows
+    """x as `NormedRows`: each program RMS-norms its tile of the row (with the row's 1 / RMS computed
+    in XLA, the norm weight read from its stack at a traced layer) and the products equal those of the rows
     normed in XLA (`rms_norm`), the shared expert's extra copies included."""
     rng = np.random.default_rng(c)
     r, k, e, o = 2, 3, 4, 16
@@ -109,18 +109,29 @@ def test_normed_rows_are_normalised_in_the_kernel(c, dtype, tol):
 
     @jax.jit
     def both(layer):
-        xs = NormedRows(x, norm_LC, layer, 1e-6)
+        xs = normed_rows(x, norm_LC, layer, 1e-6)
         kw = dict(rows=rows, extra=((fused, 0), (fused, o)), n_main=r * k)
         return gathered_products(xs, idx, ws, **kw), gathered_products(xs.value(), idx, ws, **kw)
 
     got, want = both(jnp.int32(3))
-    np.testing.assert_array_equal(NormedRows(x, norm_LC, jnp.int32(3), 1e-6).value(), rms_norm(x, norm_LC[3], 1e-6))
+    np.testing.assert_array_equal(normed_rows(x, norm_LC, jnp.int32(3), 1e-6).value(), rms_norm(x, norm_LC[3], 1e-6))
     for g, w in zip(got, want, strict=True):
         assert rel_l2(g, w) < tol
     with pytest.raises(ValueError, match="norm weights"):
-        gathered_products(NormedRows(x, norm_LC[:, :-16], jnp.int32(0), 1e-6), idx[:r * k], ws, rows=rows[:r * k])
+        gathered_products(normed_rows(x, norm_LC[:, :-16], jnp.int32(0), 1e-6), idx[:r * k], ws, rows=rows[:r * k])
     with pytest.raises(ValueError, match="must stay last"):
-        NormedRows(x, norm_LC, jnp.int32(0), 1e-6)[:, 0]
+        normed_rows(x, norm_LC, jnp.int32(0), 1e-6)[:, 0]
+
+
+def test_normed_rows_keep_each_rows_scale_through_indexing_and_reshapes():
+    """A row's 1 / RMS follows it through `NormedRows` indexing and reshapes (rows differ in scale)."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)) * np.arange(1, 7).reshape(2, 3, 1), jnp.float32)
+    norm_LC = jnp.asarray(1.0 + 0.3 * rng.standard_normal((2, 64)), jnp.float32)
+    xs = normed_rows(x, norm_LC, jnp.int32(1), 1e-6)
+    for got, rows in ((xs[:, 1], x[:, 1]), (xs[1], x[1]), (xs.reshape(6, 64), x.reshape(6, 64)),
+                      (xs.reshape(3, 2, 64)[2, None], x.reshape(3, 2, 64)[2, None])):
+        np.testing.assert_array_equal(got.value(), rms_norm(rows, norm_LC[1], 1e-6))
 
 
 @pytest.mark.parametrize("s", [1, 7, 24, expert_gemv.MAX_ADDED_PARTIALS + 1])
@@ -159,7 +170,7 @@ def test_triton_lowering(h200_lowering):
     assert "triton" in mlir
 
     def normed(x, norm, layer, i, a):  # the RMSNorm prologue at Ling-3.0-tiny's hidden size (3 pieces of 512)
-        return gathered_products(NormedRows(x, norm, layer, 1e-6), i, (a,), interpret=False)
+        return gathered_products(normed_rows(x, norm, layer, 1e-6), i, (a,), interpret=False)
 
     mlir = h200_lowering(normed, sd((1, 1536), bf), sd((23, 1536), jnp.float32), sd((), jnp.int32),
                          sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
