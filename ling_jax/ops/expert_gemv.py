@@ -35,6 +35,7 @@ from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whol
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
+MIN_PROGRAMS = 264  # narrower output tiles where fewer programs would leave the H200's 132 SMs half idle
 MIN_TILE = 16
 NUM_WARPS = 4
 MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elementwise (more: one reduce)
@@ -110,6 +111,17 @@ def add_partials(parts_S: jax.Array) -> jax.Array:
 def _tile(n: int, cap: int) -> int | None:
     """The largest power of two in [MIN_TILE, cap] that divides n, or None."""
     return pow2_tile(n, cap, MIN_TILE)
+
+
+def output_tile(m: int, s: int, o: int) -> int:
+    """The output tile BO of a launch of m copies and s input tiles: the widest power of two up to
+    MAX_BO dividing O, narrowed (down to MIN_TILE) until the grid has MIN_PROGRAMS programs. A small
+    weight in wide tiles is a few programs that each wait out the whole of their tile's latency (the
+    batch-1 router: 24 programs for its [1536, 128] weight)."""
+    bo = _tile(o, MAX_BO)
+    while m * s * (o // bo) < MIN_PROGRAMS and bo // 2 >= MIN_TILE and o % (bo // 2) == 0:
+        bo //= 2
+    return bo
 
 
 def supported(c: int, o: int) -> bool:
@@ -224,8 +236,9 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
                          f"{len(weights)} outputs C={c} rows and O={o} columns, for the copies from n_main on")
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
-    bc, bo = _tile(c, MAX_BC), _tile(o, MAX_BO)
+    bc = _tile(c, MAX_BC)
     s = c // bc
+    bo = output_tile(m, s, o)
     base = index_operand([offset, 0 if extra_idx is None else extra_idx])
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,

@@ -11,7 +11,7 @@ from conftest import rel_l2
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.expert_gemv import add_partials, gathered_products, normed_rows, supported
+from ling_jax.ops.expert_gemv import add_partials, gathered_products, normed_rows, output_tile, supported
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -175,3 +175,17 @@ def test_triton_lowering(h200_lowering):
     mlir = h200_lowering(normed, sd((1, 1536), bf), sd((23, 1536), jnp.float32), sd((), jnp.int32),
                          sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
     assert "triton" in mlir
+
+
+@pytest.mark.parametrize("m,c,o", [(1, 1536, 128), (1, 256, 3072), (1, 1536, 10240), (9, 1536, 512), (1, 64, 48)])
+def test_output_tiles_narrow_until_the_grid_fills_the_gpu(m, c, o):
+    """Small weights get narrower output tiles, down to MIN_TILE, until the grid has MIN_PROGRAMS
+    programs; a grid that has them keeps the widest tile. Every tile is a power of two dividing O."""
+    s = c // expert_gemv.MAX_BC
+    bo = output_tile(m, s, o)
+    widest = next(t for t in (128, 64, 32, 16) if o % t == 0)
+    assert o % bo == 0 and bo & (bo - 1) == 0 and expert_gemv.MIN_TILE <= bo <= widest
+    programs = m * s * (o // bo)
+    if bo < widest:  # narrowed: the tile twice as wide had too few programs
+        assert programs // 2 < expert_gemv.MIN_PROGRAMS
+    assert programs >= expert_gemv.MIN_PROGRAMS or bo == expert_gemv.MIN_TILE or o % (bo // 2)
