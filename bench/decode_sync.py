@@ -13,7 +13,7 @@ same decode step (`generate.decode_step`, Ling-3.0-tiny shape, random bf16 weigh
     fori     fori_loop with a static trip count: XLA runs it without reading the predicate back
     grouped  while_loop over groups of `--group` steps, each a static fori_loop: one per group
 
-ms per step: the median call's wall time / steps.
+ms per step: the median call's wall time / steps. Every form must emit the first form's tokens.
 """
 
 from __future__ import annotations
@@ -82,16 +82,20 @@ def main() -> None:
     params = jax.block_until_ready(random_params(cfg, jnp.bfloat16))
     result: dict[str, Any] = {**machine(), "preset": preset, "steps": args.steps, "group": args.group, "runs": []}
     logits = jax.random.normal(jax.random.key(1), (1, cfg.vocab_size), jnp.float32)
+    first: list[np.ndarray] = []
     for form in args.forms:
         cache = random_cache(cfg, 1, args.context + args.steps * (args.reps + 1), args.context, jnp.bfloat16)
-        times = []
+        times, tokens = [], []
         for _ in range(args.reps + 1):
             t = time.perf_counter()
-            _, cache = jax.block_until_ready(loop(cfg, params, cache, logits, args.steps, form, args.group))
+            out, cache = jax.block_until_ready(loop(cfg, params, cache, logits, args.steps, form, args.group))
             times.append(time.perf_counter() - t)
+            tokens.append(np.asarray(out))
+        first = first or tokens
         ms = 1e3 * float(np.median(times[1:])) / args.steps
         result["runs"].append({"form": form, "batch": 1, "context": args.context, "ms_per_step": ms,
-                               "call_s": times[1:], "first_call_s_incl_compile": times[0]})
+                               "call_s": times[1:], "first_call_s_incl_compile": times[0],
+                               "tokens_match_first_form": all(map(np.array_equal, tokens, first))})
         print(f"{form:>8s}: {ms:.4f} ms/step", flush=True)
         write_json(args.out, result)
 

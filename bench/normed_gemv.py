@@ -13,7 +13,8 @@ L2, and each product's rows taken from the one before, with the row given to the
               norm applied by the kernel's prologue (the decode step's form)
     xla_norm  `rms_norm(x)` by XLA, then the plain product
 
-Per form: device span per layer and the gemv kernel's mean time from a profiler trace.
+Per form: device span per layer and the gemv kernel's mean time from a profiler trace; `normed`
+also its output's relative L2 distance from `xla_norm`'s (the same math).
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ def main() -> None:
         stack = jax.random.normal(jax.random.key(0), (layers, c, o), jnp.bfloat16) * c ** -0.5
         norm = 1 + 0.1 * jax.random.normal(jax.random.key(2), (layers, c), jnp.bfloat16)
         x = jax.random.normal(jax.random.key(1), (o,), jnp.float32)
+        outs = {}
         for form in FORMS:
             call = functools.partial(jax.jit(functools.partial(chain, form=form, interpret=not gpu)), x, stack, norm)
-            call()
+            outs[form] = call()
             row: dict[str, Any] = {"dims": [c, o], "layers": layers, "form": form,
                                    "wall_us": median_time(call, reps=args.reps if gpu else 1) * 1e6}
+            if form == "xla_norm":
+                diff = jnp.linalg.norm(outs["normed"] - outs[form]) / jnp.linalg.norm(outs[form])
+                result["runs"][-1]["rel_l2_vs_xla_norm"] = float(diff)
             prof = kernel_profile(call) if gpu else None
             if prof:
                 gemv = [k for k in prof["top_kernels"] if k["name"].startswith("expert_gemv")]

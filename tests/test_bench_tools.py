@@ -116,6 +116,25 @@ def test_bench_scripts_run(tmp_path, script):
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("script,args", [("l2_window.py", []), ("normed_gemv.py", []),
+                                         ("decode_sync.py", ["--steps", "4", "--group", "2", "--reps", "1"])])
+def test_decode_probe_scripts_run(tmp_path, script, args):
+    """The twenty-first session's decode probes run on the CPU (`--smoke`) and check what they must:
+    the prefetch leaves the chain's result unchanged, the kernel's norm matches XLA's, and every
+    decode loop form emits the same greedy tokens."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / script), "--smoke", *args, "--out", str(out)],
+                   check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    runs = json.loads(out.read_text())["runs"]
+    checks = {"l2_window.py": "max_abs_diff_vs_serial", "normed_gemv.py": "rel_l2_vs_xla_norm",
+              "decode_sync.py": "tokens_match_first_form"}[script]
+    got = [r[checks] for r in runs if checks in r]
+    assert got and len(runs) >= 3
+    assert all(g is True for g in got) if script == "decode_sync.py" else all(g < 1e-2 for g in got), runs
+
+
+@pytest.mark.heavy
 def test_kda_bench_runs(tmp_path):
     """bench/kda.py on the CPU (interpret mode, tiny shapes, no FLA): the per-launch timings with every
     sweep option, and the end-to-end run with its GPU-style checks against the reference at the default
