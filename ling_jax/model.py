@@ -135,7 +135,8 @@ LINEAR_LEAVES = {  # per-layer [C, O] projections that `layer_gemv.linear` takes
              "g_proj", "dense"),
     "mlp": ("gate_up_proj", "down_proj"),
 }
-KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias")  # small per-layer weights the KDA decode layer kernel reads
+# small per-layer weights the KDA decode layer kernel reads, and the output norm's (read by o_proj's gemv)
+KDA_LEAVES = (FUSED_CONV, "A_log", "dt_bias", "o_norm")
 NORM_LEAVES = ("input_norm", "post_attn_norm")  # RMSNorms the gemv kernels apply (`layer_gemv.normed`)
 
 
@@ -156,7 +157,7 @@ def _split_stacks(t: Params | None, lead: int, dtype: Any, experts: bool, linear
     `layer_gemv.WeightStack`s where a kernel takes that many rows, past one row the fused shared
     expert too (where `experts` did not take it), and at one row the router (float32) and the
     `NORM_LEAVES` (any dtype). `kda`: the `KDA_LEAVES` (any dtype) as `WeightStack`s too (the KDA
-    decode layer kernel, `ops.kda.decode_layer`).
+    decode layer kernel, `ops.kda.decode_layer`, and its output norm, `expert_gemv.GatedRows`).
     """
     if t is None or not (experts or linears or kda):
         return t, {}

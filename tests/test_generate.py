@@ -384,8 +384,8 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
     """At batch 1 the unrolled pallas step runs every dense projection (the fused KDA input, o_proj,
     the fused MLA input (q_a|kv_a|g), q_b, dense, the dense MLP, the MoE router) through the gemv kernel on its whole
     segment stack (`ops.layer_gemv`), with every layer's two RMSNorms applied by the kernels that read
-    the normed rows (`expert_gemv.NormedRows`), and gives the XLA step's logits and caches; at batch 2
-    it does not."""
+    the normed rows (`expert_gemv.NormedRows`) and every KDA layer's gated output norm by o_proj's
+    (`expert_gemv.GatedRows`), and gives the XLA step's logits and caches; at batch 2 it does not."""
     from ling_jax.ops import expert_gemv
 
     cfg = LingConfig.preset("debug", num_hidden_layers=6, num_experts=16)  # a router [64, 16] the kernel tiles
@@ -395,8 +395,10 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
     real = expert_gemv.gathered_partials
     calls = []
     normed = []  # (rows, norm weight stack) of the calls on normed rows
+    gated = []  # the calls on KDA outputs with their gated norm left to the kernel
     monkeypatch.setattr(expert_gemv, "gathered_partials", lambda *a, **k: calls.append(a[2][0].shape) or (
-        isinstance(a[0], expert_gemv.NormedRows) and normed.append((a[0].shape, a[0].weight.shape))) or real(*a, **k))
+        isinstance(a[0], expert_gemv.NormedRows) and normed.append((a[0].shape, a[0].weight.shape))) or (
+        isinstance(a[0], expert_gemv.GatedRows) and gated.append(a[0].shape)) or real(*a, **k))
     for b in (1, 2):
         prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
         cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
@@ -404,6 +406,7 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
         c_want, want = _step(cfg, params, cache, tok, True)
         calls.clear()
         normed.clear()
+        gated.clear()
         c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
         assert rel_l2(got, want) < 1e-5
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -419,6 +422,8 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
             readers += sum(w is not None and stackable(w, 0, w.dtype) for w in ws)
         assert readers >= 2 * cfg.num_hidden_layers
         assert len(normed) == readers and all(r == (1, cfg.hidden_size) and w[1:] == r[1:] for r, w in normed)
+        n_kda = sum(m == "kda" for m, _ in cfg.layer_kinds)
+        assert n_kda and gated == [(1, cfg.num_attention_heads * cfg.head_dim)] * n_kda
         want_shapes = set()  # every stackable projection of the decode params, by [C, O] and stack size
         for seg, sp in zip(cfg.segments, fused["segments"], strict=True):
             parts = [(sp, 1)] if seg.kind == "run" else [(sp["kda"], 2), (sp["mla"], 1)]

@@ -17,14 +17,14 @@ import jax.numpy as jnp
 from ling_jax.checkpoint.fp8 import is_block_fp8
 from ling_jax.config import LingConfig
 from ling_jax.layers.norms import gated_rms_norm
-from ling_jax.ops.expert_gemv import NormedRows, dense
+from ling_jax.ops.expert_gemv import GatedRows, NormedRows, dense
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.api import DEFAULT_CHUNK, resolve_impl
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import FUSED_INPUT, column_starts, linear, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, column_starts, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -167,18 +167,26 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     (`ops.kda.decode_layer`) on the segment's cache stacks: (out [B, 1, D], the cache with the state
     stack updated in place and the layer's new window). Takes the decode params
     (`fuse_input_projections`): q|k|v, f and the beta logits are read by column from the fused
-    projection's output, f through its second low-rank factor where the gates are low-rank."""
+    projection's output, f through its second low-rank factor where the gates are low-rank. With the
+    output norm's weight and o_proj as stack views (the unrolled decode step), o_proj's kernel applies
+    the gated output norm as it reads o (`expert_gemv.GatedRows`); else XLA does."""
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
     with jax.named_scope("qkv"):
         y_BO = linear(x_B1D[:, 0], p[FUSED_INPUT])
         f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
-        z_BX = y_BO[:, s[4]:s[5]] if "g_proj" in p else linear(y_BO[:, s[4]:s[5]], p["g_b_proj"])
+        z = (y_BO, s[4]) if "g_proj" in p else (linear(y_BO[:, s[4]:s[5]], p["g_b_proj"]), 0)  # (holder, column)
     with jax.named_scope("recurrence"):
-        o_BHV, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
-                                      p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
-    o_BHV = gated_rms_norm(o_BHV, z_BX.reshape(b, h, dh), p["o_norm"], cfg.rms_norm_eps)
-    return linear(o_BHV.reshape(b, h * dh), p["o_proj"])[:, None], new
+        o_BHV, ss_BHJ, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
+                                              p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
+    norm_w, o_BX = p["o_norm"], o_BHV.reshape(b, h * dh)
+    if isinstance(norm_w, WeightStack) and isinstance(p["o_proj"], WeightStack):  # the norm in o_proj's kernel
+        rows = GatedRows(o_BX, ss_BHJ, z[0], norm_w.stack, norm_w.layer, z[1], cfg.rms_norm_eps)
+        return linear(rows, p["o_proj"])[:, None], new
+    norm_w = norm_w.value() if isinstance(norm_w, WeightStack) else norm_w
+    z_BHV = z[0][:, z[1]:z[1] + h * dh].reshape(b, h, dh)
+    o_BX = gated_rms_norm(o_BHV, z_BHV, norm_w, cfg.rms_norm_eps).reshape(b, h * dh)
+    return linear(o_BX, p["o_proj"])[:, None], new
 
 
 def kda_mixer(

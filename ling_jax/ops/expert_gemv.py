@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.layers.norms import inv_rms, rms_norm, sum_squares
+from ling_jax.layers.norms import gated_rms_norm, inv_rms, rms_norm, sum_squares
 from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
@@ -89,9 +89,48 @@ def normed_rows(x: jax.Array, weight: jax.Array, layer: jax.Array, eps: float) -
     return NormedRows(x, weight, layer, sum_squares(x), eps)
 
 
-def dense(x: jax.Array | NormedRows) -> jax.Array:
-    """x as an array (`NormedRows` normalised in XLA)."""
-    return x.value() if isinstance(x, NormedRows) else x
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedRows:
+    """A KDA layer's output with its gated output norm not yet applied (`layers.norms.gated_rms_norm`
+    per head of V values: RMS-normed, times the norm weight, times sigmoid of the gate z): rows for
+    the output projection's kernel to normalise as it reads them, so that the norm costs no launch
+    of its own. Each head's sum of squares comes in J parts (`ops.kda.decode_layer` returns them);
+    z is read by column from the array that holds it (the fused input projection's output), the
+    norm weight from its segment's [L, V] stack. Rows stay [R, H * V]; other consumers take
+    `value()`."""
+
+    x: jax.Array  # [R, H * V] the heads' outputs, activation dtype
+    ss: jax.Array  # [R, H, J] float32: x's sums of squares over each head's J blocks of V / J values
+    z: jax.Array  # [R, Z] holds the gate: H * V values from column z_col
+    weight: jax.Array  # [L, V] the norm weights of a segment's layers
+    layer: jax.Array  # int32 scalar, this layer's index in `weight`
+    z_col: int = dataclasses.field(metadata={"static": True})
+    eps: float = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.x.dtype
+
+    def value(self) -> jax.Array:
+        """The normed rows as an array (the model's `gated_rms_norm`, in XLA)."""
+        r, (h, v) = self.x.shape[0], (self.ss.shape[1], self.weight.shape[-1])
+        z_RHV = self.z[:, self.z_col:self.z_col + h * v].reshape(r, h, v)
+        return gated_rms_norm(self.x.reshape(r, h, v), z_RHV, self.weight[self.layer], self.eps).reshape(r, h * v)
+
+    def reshape(self, *shape: int) -> GatedRows:
+        if self.x.reshape(*shape).shape != self.x.shape:
+            raise ValueError(f"GatedRows: the rows stay {self.x.shape}, not {shape}")
+        return self
+
+
+def dense(x: jax.Array | NormedRows | GatedRows) -> jax.Array:
+    """x as an array (`NormedRows` and `GatedRows` normalised in XLA)."""
+    return x.value() if isinstance(x, NormedRows | GatedRows) else x
 
 
 def add_partials(parts_S: jax.Array) -> jax.Array:
@@ -129,14 +168,25 @@ def supported(c: int, o: int) -> bool:
     return _tile(c, MAX_BC) is not None and _tile(o, MAX_BO) is not None
 
 
-def _normed(x_C: jax.Array, row: jax.Array, norm_refs: tuple, s: jax.Array, bc: int, c: int, eps: float,
+def _normed(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, c: int, eps: float,
             dt: jnp.dtype) -> jax.Array:
     """The prologue of `NormedRows`: the tile x_C [BC] of row `row` RMS-normed from the row's sum of
     squares, with the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast,
     times the weight)."""
-    w_ref, layer_ref, ss_ref = norm_refs
+    w_ref, layer_ref, ss_ref = refs
     r = inv_rms(ss_ref[row], c, eps)
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
+
+
+def _gated(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, v: int, z_col: int, eps: float,
+           dt: jnp.dtype) -> jax.Array:
+    """The prologue of `GatedRows`: the tile x_C [BC] (inside one head of V values) of row `row`
+    normed as `layers.norms.gated_rms_norm` does, all in float32, then cast to the activation dtype."""
+    ss_ref, z_ref, w_ref, layer_ref = refs
+    r = inv_rms(jnp.sum(ss_ref[row, (s * bc) // v, :]), v, eps)
+    z_C = z_ref[row, pl.ds(z_col + s * bc, bc)].astype(jnp.float32)
+    w_C = w_ref[layer_ref[0], pl.ds((s * bc) % v, bc)].astype(jnp.float32)
+    return (x_C * r * w_C * jax.nn.sigmoid(z_C)).astype(dt).astype(jnp.float32)
 
 
 def _load_weight(ref) -> jax.Array:
@@ -146,10 +196,11 @@ def _load_weight(ref) -> jax.Array:
 
 
 def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            extra_fixed: bool, bc: int, bo: int, eps: float | None):
+            extra_fixed: bool, bc: int, bo: int, prologue: tuple):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = row_ref[m]
-    norm_refs, refs = (refs[:3], refs[3:]) if eps is not None else ((), refs)
+    n_pro = {None: 0, "rms": 3, "gated": 4}[prologue[0]]
+    pro_refs, refs = refs[:n_pro], refs[n_pro:]
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def products(tiles: list, e: jax.Array) -> list:
@@ -157,8 +208,10 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
         come first, so that their latency covers the norm's reduction over the row."""
         w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)]) for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
-        if norm_refs:
-            x_C = _normed(x_C, row, norm_refs, s, bc, x_ref.shape[-1], eps, x_ref.dtype)
+        if prologue[0] == "rms":
+            x_C = _normed(x_C, row, pro_refs, s, bc, x_ref.shape[-1], *prologue[1:], x_ref.dtype)
+        elif prologue[0] == "gated":
+            x_C = _gated(x_C, row, pro_refs, s, bc, *prologue[1:], x_ref.dtype)
         return [jnp.sum(x_C[:, None] * w_CO.astype(jnp.float32), axis=0) for w_CO in w_COs]
 
     @pl.when(m < n_main)
@@ -175,7 +228,7 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
                 out_ref[...] = y_O
 
 
-def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+def gathered_products(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
                       interpret: bool | None = None) -> tuple[jax.Array, ...]:
@@ -189,7 +242,8 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
     copies from `n_main` on read their output j from x[rows[m]] @ stack_j[idx[m], :, col_j : col_j
     + O] instead — a second kind of expert in the same launch (the MoE's shared expert, its gate
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
-    normalises its tile of the row itself (from the row's sum of squares, the model's RMSNorm).
+    normalises its tile of the row itself (from the row's sum of squares, the model's RMSNorm); x as
+    `GatedRows` likewise with the KDA output's gated norm.
     `interpret` defaults to True off GPU.
 
     `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
@@ -202,20 +256,29 @@ def gathered_products(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
                                                             offset=offset, extra_idx=extra_idx, interpret=interpret))
 
 
-def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
+def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
                       interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
-    norm, eps = (), None
+    pro, prologue, bc = (), (None,), _tile(x_RC.shape[-1], MAX_BC)
     if isinstance(x_RC, NormedRows):
         if x_RC.weight.shape[-1] != x_RC.shape[-1]:
             raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
-        norm, eps = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32),
-                      x_RC.ss.reshape(-1).astype(jnp.float32)), x_RC.eps
-        x_RC = x_RC.x
+        pro = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), x_RC.ss.reshape(-1).astype(jnp.float32))
+        prologue, x_RC = ("rms", x_RC.eps), x_RC.x
+    elif isinstance(x_RC, GatedRows):
+        (r, c), (_, h, j), v = x_RC.shape, x_RC.ss.shape, x_RC.weight.shape[-1]
+        bc = _tile(v, MAX_BC)  # a tile of C inside one head
+        if (c != h * v or x_RC.ss.shape[0] != r or x_RC.z.shape[0] != r or x_RC.z_col + c > x_RC.z.shape[1]
+                or bc is None or j & (j - 1)):
+            raise ValueError(f"gathered_products: GatedRows x {x_RC.shape}, sums of squares {x_RC.ss.shape}, gate "
+                             f"{x_RC.z.shape} from column {x_RC.z_col}, norm weights {x_RC.weight.shape}: need "
+                             f"C = H * V, V a multiple of {MIN_TILE} and a power of two J")
+        pro = (x_RC.ss.astype(jnp.float32), x_RC.z, x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32))
+        prologue, x_RC = ("gated", v, x_RC.z_col, x_RC.eps), x_RC.x
     r, c = x_RC.shape
     if extra_idx is not None and (rows is None or n_main != idx_M.shape[0]):
         raise ValueError(f"gathered_products: with extra_idx, idx [{idx_M.shape[0]}] holds the n_main={n_main} "
@@ -236,19 +299,18 @@ def gathered_partials(x_RC: jax.Array | NormedRows, idx_M: jax.Array, weights: t
                          f"{len(weights)} outputs C={c} rows and O={o} columns, for the copies from n_main on")
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
-    bc = _tile(c, MAX_BC)
     s = c // bc
     bo = output_tile(m, s, o)
     base = index_operand([offset, 0 if extra_idx is None else extra_idx])
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),
-                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, eps=eps),
+                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *norm, *weights, *extra_arrays)],
+        in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *pro, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(idx_M.astype(jnp.int32), base, jnp.asarray(rows_M), x_RC, *norm, *weights, *extra_arrays)
+    )(idx_M.astype(jnp.int32), base, jnp.asarray(rows_M), x_RC, *pro, *weights, *extra_arrays)
     return tuple(partials)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv, stack_matmul
-from ling_jax.ops.expert_gemv import NormedRows, dense, normed_rows
+from ling_jax.ops.expert_gemv import GatedRows, NormedRows, dense, normed_rows
 
 FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
 
@@ -79,7 +79,7 @@ def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | 
     return rms_norm(x, w, eps)
 
 
-def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
+def linear(x: jax.Array | NormedRows | GatedRows, w: jax.Array | WeightStack) -> jax.Array:
     """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` (the decode step,
     where `model.run_stack` makes them) runs the gemv kernel on one row (or on each row, where
     the few-row matmul does not tile the weight), the few-row matmul (`ops.stack_matmul`) on
@@ -96,7 +96,7 @@ def linear(x: jax.Array | NormedRows, w: jax.Array | WeightStack) -> jax.Array:
     return expert_gemv.add_partials(parts_SRO).astype(x.dtype).reshape(*x.shape[:-1], o)
 
 
-def partial_products(x: jax.Array | NormedRows, w: WeightStack) -> jax.Array:
+def partial_products(x: jax.Array | NormedRows | GatedRows, w: WeightStack) -> jax.Array:
     """x [..., C] @ w [C, O] through the gemv kernel before the sum of its split of C: [S, ..., O]
     float32 partial sums (`expert_gemv.gathered_partials`), for a consumer that adds them itself."""
     c, o = w.shape

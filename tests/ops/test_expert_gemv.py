@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
-from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.norms import gated_rms_norm, rms_norm
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.expert_gemv import add_partials, gathered_products, normed_rows, output_tile, supported
+from ling_jax.ops.expert_gemv import GatedRows, add_partials, gathered_products, normed_rows, output_tile, supported
 
 
 def _case(rng, m, e, c, o, dtype):
@@ -169,12 +169,51 @@ def test_triton_lowering(h200_lowering):
                          sd((128, 1536, 512), bf), sd((23, 1536, 1024), bf))
     assert "triton" in mlir
 
-    def normed(x, norm, layer, i, a):  # the RMSNorm prologue at Ling-3.0-tiny's hidden size (3 pieces of 512)
+    def normed(x, norm, layer, i, a):  # the RMSNorm prologue at Ling-3.0-tiny's hidden size
         return gathered_products(normed_rows(x, norm, layer, 1e-6), i, (a,), interpret=False)
 
     mlir = h200_lowering(normed, sd((1, 1536), bf), sd((23, 1536), jnp.float32), sd((), jnp.int32),
                          sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
     assert "triton" in mlir
+
+    def gated(x, ss, z, norm, layer, i, a):  # a KDA layer's o_proj with its gated output norm (16 heads of 128)
+        return gathered_products(GatedRows(x, ss, z, norm, layer, 8192, 1e-6), i, (a,), interpret=False)
+
+    mlir = h200_lowering(gated, sd((1, 2048), bf), sd((1, 16, 4), jnp.float32), sd((1, 10240), bf),
+                         sd((18, 128), jnp.float32), sd((), jnp.int32), sd((1,), jnp.int32), sd((18, 2048, 1536), bf))
+    assert "triton" in mlir
+
+
+@pytest.mark.parametrize("r,j", [(1, 4), (3, 2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-3)])
+def test_gated_rows_are_normalised_in_the_kernel(r, j, dtype, tol):
+    """x as `GatedRows` (a KDA layer's output, 4 heads of 32, each head's sum of squares in j parts, the
+    gate z read at a column offset of a wider array, the norm weight from its stack at a traced
+    layer): the products equal those of the rows normed by `gated_rms_norm` in XLA."""
+    rng = np.random.default_rng(r * 10 + j)
+    h, v, o, z_col = 4, 32, 48, 24
+    x = jnp.asarray(rng.standard_normal((r, h * v)) * np.arange(1, h + 1).repeat(v), dtype)  # heads differ in scale
+    ss = jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(r, h, j, v // j), -1)
+    z = jnp.asarray(rng.standard_normal((r, z_col + h * v + 8)) * 2, dtype)
+    norm = jnp.asarray(1.0 + 0.3 * rng.standard_normal((3, v)), jnp.float32)
+    ws = (jnp.asarray(rng.standard_normal((2, h * v, o)) * 0.1, dtype),)
+    idx = jnp.asarray([1] * r, jnp.int32)
+
+    @jax.jit
+    def both(layer):
+        rows = GatedRows(x, ss, z, norm, layer, z_col, 1e-6)
+        return gathered_products(rows, idx, ws), gathered_products(rows.value(), idx, ws), rows.value()
+
+    got, want, normed = both(jnp.int32(2))
+    z_RHV = z[:, z_col:z_col + h * v].reshape(r, h, v)
+    want_normed = gated_rms_norm(x.reshape(r, h, v), z_RHV, norm[2], 1e-6).reshape(r, h * v)
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want_normed, np.float32), rtol=1e-5,
+                               atol=1e-6)
+    assert rel_l2(got[0], want[0]) < tol
+    with pytest.raises(ValueError, match="GatedRows"):  # heads of 24: no tile of C inside one
+        gathered_products(GatedRows(x[:, :96], ss, z, norm[:, :24], 0, z_col, 1e-6), idx, ws)
+    with pytest.raises(ValueError, match="rows stay"):
+        GatedRows(x, ss, z, norm, 0, z_col, 1e-6).reshape(r * h, v)
 
 
 @pytest.mark.parametrize("m,c,o", [(1, 1536, 128), (1, 256, 3072), (1, 1536, 10240), (9, 1536, 512), (1, 64, 48)])

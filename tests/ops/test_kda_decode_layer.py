@@ -71,9 +71,13 @@ def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
             weights = [a[LAYER] for a in stacks]
         return kda_decode_layer(inputs, cache, *weights, lower_bound=lower_bound)
 
-    o, new = run(c["y"], cache, [c[n] for n in names])
+    o, ss, new = run(c["y"], cache, [c[n] for n in names])
     assert o.dtype == dtype and o.shape == (b, h, d)
     assert rel_l2(o, o_want) < tol
+    j = ss.shape[-1]  # each program's sum of squares of its block of o (the gated norm's, in o_proj's gemv)
+    assert ss.shape == (b, h, j) and d % j == 0
+    want_ss = np.square(np.asarray(o, np.float64)).reshape(b, h, j, d // j).sum(-1)
+    np.testing.assert_allclose(np.asarray(ss), want_ss, rtol=1e-5)
     assert rel_l2(new.state[LAYER], s_want) < 1e-5
     np.testing.assert_array_equal(np.asarray(new.window, np.float32), np.asarray(w_want, np.float32))
     others = np.array([i for i in range(L) if i != LAYER])  # the other layers' states are left as they were

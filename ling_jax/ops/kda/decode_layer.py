@@ -14,8 +14,9 @@ every program of a head reads the head's q/k window (the caller writes the windo
 The arithmetic mirrors the XLA form step by step (`layers.kda.kda_mixer` at T = 1:
 `ops.short_conv.conv_silu`, `ops.kda.gate`, `ops.kda.decode.kda_decode_step`), including its
 roundings to the activation dtype (the conv output, the step's output), so the two agree to float32
-rounding. The gated output norm (over a whole head) stays in XLA. Triton lowering on GPU,
-interpret mode elsewhere.
+rounding. The gated output norm needs a whole head, so it is left to the kernel that reads o (the
+output projection's gemv, `ops.expert_gemv.GatedRows`), which takes from here each program's sum
+of squares of its block of o. Triton lowering on GPU, interpret mode elsewhere.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
             scale: float, lower_bound: float | None):
     f32 = jnp.float32
     srcs = refs[:n_src]
-    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, state_out, win_out = refs[n_src:]
+    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, ss_ref, state_out, win_out = refs[n_src:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lc, lw, la, ld = (idx_ref[i] for i in range(4))
     (sq, oq), (sf, of), (sb, ob) = roles
@@ -110,16 +111,19 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
     u_V = beta * (v_V - jnp.sum(k_K[:, None] * s_KV, axis=0))
     s_KV = s_KV + k_K[:, None] * u_V[None, :]
     state_out[lc, b, h, :, cols] = s_KV
-    o_ref[b, h, cols] = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype)
+    o_V = jnp.sum(q_K[:, None] * s_KV, axis=0).astype(dtype)
+    o_ref[b, h, cols] = o_V
+    ss_ref[b, h, j] = jnp.sum(jnp.square(o_V.astype(f32)))
 
 
 def kda_decode_layer(
     inputs: Inputs, cache: KdaCacheStack, conv_w: jax.Array | WeightStack, a_log: jax.Array | WeightStack,
     dt_bias: jax.Array | WeightStack, *, lower_bound: float | None, interpret: bool | None = None,
-) -> tuple[jax.Array, KdaCacheStack]:
+) -> tuple[jax.Array, jax.Array, KdaCacheStack]:
     """One token per row through a KDA layer's conv, gate and recurrence: (o [B, H, V] in the
-    activation dtype, before the output norm; the cache with this layer's state replaced in its
-    stack and its new window [B, W-1, 3P] in `window`).
+    activation dtype, before the output norm; o's sums of squares [B, H, J] float32 over each of a
+    head's J blocks of V; the cache with this layer's state replaced in its stack and its new window
+    [B, W-1, 3P] in `window`).
 
     inputs: the projected q|k|v, f and beta logits (`Inputs`; z is not read here); conv_w: the q|k|v
     conv weights [3P, W]; a_log [H]; dt_bias [H * K] — each the layer's array or a `WeightStack`
@@ -148,16 +152,18 @@ def kda_decode_layer(
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
-    o, state, window = pl.pallas_call(
+    o, ss, state, window = pl.pallas_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
                           dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
-        out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct((bsz, h, dv // bv), jnp.float32),
+                   jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
                    jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype)],
         grid=(bsz, h, dv // bv),
         in_specs=[whole(a) for a in operands],
-        out_specs=[vec, whole(cache.state), pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
-        input_output_aliases={len(operands) - 2: 1},
+        out_specs=[vec, pl.BlockSpec((bsz, h, dv // bv), lambda *_: (0, 0, 0)), whole(cache.state),
+                   pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
+        input_output_aliases={len(operands) - 2: 2},
         name="kda_decode_layer",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(*operands)
-    return o, dataclasses.replace(cache, state=state, window=window)
+    return o, ss, dataclasses.replace(cache, state=state, window=window)
