@@ -44,9 +44,24 @@ MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elem
 WEIGHT_EVICTION: str | None = "evict_first"
 
 
+class _PendingNorm:
+    """What `NormedRows` and `GatedRows` share: rows `x` whose norm the kernel that reads them applies
+    (other consumers take their `value()`); their shape and dtype are x's."""
+
+    x: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.x.dtype
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NormedRows:
+class NormedRows(_PendingNorm):
     """`rms_norm(x, weight[layer], eps)` not yet applied: rows for the kernel to normalise as it reads
     them (`gathered_partials`), so that a decode step's RMSNorm costs no launch of its own. Each
     row's sum of squares comes with them (`normed_rows` reduces it in XLA): a program that summed its
@@ -59,14 +74,6 @@ class NormedRows:
     layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
     ss: jax.Array  # [..., 1] float32, `layers.norms.sum_squares(x)`
     eps: float = dataclasses.field(metadata={"static": True})
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.x.shape)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.x.dtype
 
     def value(self) -> jax.Array:
         """The normed rows as an array (the model's `rms_norm`, in XLA)."""
@@ -91,7 +98,7 @@ def normed_rows(x: jax.Array, weight: jax.Array, layer: jax.Array, eps: float) -
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GatedRows:
+class GatedRows(_PendingNorm):
     """A KDA layer's output with its gated output norm not yet applied (`layers.norms.gated_rms_norm`
     per head of V values: RMS-normed, times the norm weight, times sigmoid of the gate z): rows for
     the output projection's kernel to normalise as it reads them, so that the norm costs no launch
@@ -108,14 +115,6 @@ class GatedRows:
     z_col: int = dataclasses.field(metadata={"static": True})
     eps: float = dataclasses.field(metadata={"static": True})
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.x.shape)
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.x.dtype
-
     def value(self) -> jax.Array:
         """The normed rows as an array (the model's `gated_rms_norm`, in XLA)."""
         r, (h, v) = self.x.shape[0], (self.ss.shape[1], self.weight.shape[-1])
@@ -130,7 +129,7 @@ class GatedRows:
 
 def dense(x: jax.Array | NormedRows | GatedRows) -> jax.Array:
     """x as an array (`NormedRows` and `GatedRows` normalised in XLA)."""
-    return x.value() if isinstance(x, NormedRows | GatedRows) else x
+    return x.value() if isinstance(x, _PendingNorm) else x
 
 
 def add_partials(parts_S: jax.Array) -> jax.Array:
