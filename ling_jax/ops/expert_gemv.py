@@ -204,7 +204,8 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
 
     def products(tiles: list, e: jax.Array) -> list:
         """x's tile times each (weight, first column) tile of expert e, summed over BC. The weight loads
-        come first, so that their latency covers the norm's reduction over the row."""
+        come first, so that their latency covers the prologue's loads (sums of squares, norm weights,
+        the gate)."""
         w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)]) for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if prologue[0] == "rms":
@@ -272,10 +273,10 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
         (r, c), (_, h, j), v = x_RC.shape, x_RC.ss.shape, x_RC.weight.shape[-1]
         bc = _tile(v, MAX_BC)  # a tile of C inside one head
         if (c != h * v or x_RC.ss.shape[0] != r or x_RC.z.shape[0] != r or x_RC.z_col + c > x_RC.z.shape[1]
-                or bc is None or j & (j - 1)):
+                or x_RC.weight.ndim != 2 or bc is None or j & (j - 1)):
             raise ValueError(f"gathered_products: GatedRows x {x_RC.shape}, sums of squares {x_RC.ss.shape}, gate "
                              f"{x_RC.z.shape} from column {x_RC.z_col}, norm weights {x_RC.weight.shape}: need "
-                             f"C = H * V, V a multiple of {MIN_TILE} and a power of two J")
+                             f"C = H * V, [L, V] norm weights, V a multiple of {MIN_TILE} and a power of two J")
         pro = (x_RC.ss.astype(jnp.float32), x_RC.z, x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32))
         prologue, x_RC = ("gated", v, x_RC.z_col, x_RC.eps), x_RC.x
     r, c = x_RC.shape

@@ -212,6 +212,8 @@ def test_gated_rows_are_normalised_in_the_kernel(r, j, dtype, tol):
     assert rel_l2(got[0], want[0]) < tol
     with pytest.raises(ValueError, match="GatedRows"):  # heads of 24: no tile of C inside one
         gathered_products(GatedRows(x[:, :96], ss, z, norm[:, :24], 0, z_col, 1e-6), idx, ws)
+    with pytest.raises(ValueError, match="GatedRows"):  # the norm weight without its stack axis
+        gathered_products(GatedRows(x, ss, z, norm[0], 0, z_col, 1e-6), idx, ws)
     with pytest.raises(ValueError, match="rows stay"):
         GatedRows(x, ss, z, norm, 0, z_col, 1e-6).reshape(r * h, v)
 
