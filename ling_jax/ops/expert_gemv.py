@@ -195,11 +195,10 @@ def _load_weight(ref) -> jax.Array:
 
 
 def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            extra_fixed: bool, bc: int, bo: int, prologue: tuple):
+            extra_fixed: bool, bc: int, bo: int, prologue: tuple, n_pro: int):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = row_ref[m]
-    n_pro = {None: 0, "rms": 3, "gated": 4}[prologue[0]]
-    pro_refs, refs = refs[:n_pro], refs[n_pro:]
+    pro_refs, refs = refs[:n_pro], refs[n_pro:]  # the prologue's operands (`gathered_partials`)
     weights, extras, outs = refs[:n_w], refs[n_w:n_w + n_extra], refs[n_w + n_extra:]
 
     def products(tiles: list, e: jax.Array) -> list:
@@ -305,7 +304,7 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),
-                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue),
+                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue, n_pro=len(pro)),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *pro, *weights, *extra_arrays)],
