@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.layers.norms import gated_rms_norm, inv_rms, rms_norm, sum_squares
-from ling_jax.ops.pallas_gpu import call_options, index_operand, is_pow2, pow2_tile, whole
+from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
@@ -64,8 +64,8 @@ class _PendingNorm:
 class NormedRows(_PendingNorm):
     """`rms_norm(x, weight[layer], eps)` not yet applied: rows for the kernel to normalise as it reads
     them (`gathered_partials`), so that a decode step's RMSNorm costs no launch of its own. Each
-    row's sum of squares comes with them, in P parts (P a power of two; `normed_rows` reduces it in
-    XLA as one part, `ops.residual_add` writes one per tile as it adds the stream): a program that
+    row's sum of squares comes with them, in P parts (`normed_rows` reduces it in XLA as one part,
+    `ops.residual_add` writes one per column tile as it adds the stream): a program that
     summed its row's squares itself took 1.4-1.8 us longer on a 30 MB weight (H200, BENCHMARKS.md). The norm
     weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied). Other
     consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
@@ -174,7 +174,9 @@ def _normed(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, 
     squares (its P parts added), with the model's cast order (`layers.norms.rms_norm`: normalise in
     float32, cast, times the weight)."""
     w_ref, layer_ref, ss_ref = refs
-    r = inv_rms(jnp.sum(ss_ref[row, :]), c, eps)
+    # the parts as scalar loads, added in registers: a vector load's sum is a reduction across the
+    # program's threads, which every program would wait for before its products
+    r = inv_rms(functools.reduce(lambda a, i: a + ss_ref[row, i], range(1, ss_ref.shape[-1]), ss_ref[row, 0]), c, eps)
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
@@ -267,9 +269,8 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     if isinstance(x_RC, NormedRows):
         if x_RC.weight.shape[-1] != x_RC.shape[-1]:
             raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
-        if x_RC.ss.shape[:-1] != x_RC.shape[:-1] or not is_pow2(x_RC.ss.shape[-1]):
-            raise ValueError(f"gathered_products: sums of squares {x_RC.ss.shape} for rows {x_RC.shape}: need "
-                             "a power-of-two number of parts per row")
+        if x_RC.ss.shape[:-1] != x_RC.shape[:-1]:
+            raise ValueError(f"gathered_products: sums of squares {x_RC.ss.shape} do not match rows {x_RC.shape}")
         ss_RP = x_RC.ss.reshape(-1, x_RC.ss.shape[-1]).astype(jnp.float32)
         pro = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), ss_RP)
         prologue, x_RC = ("rms", x_RC.eps), x_RC.x

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from ling_jax.layers.norms import sum_squares
 from ling_jax.ops.expert_gemv import add_partials
-from ling_jax.ops.pallas_gpu import call_options, next_pow2, pow2_tile, whole
+from ling_jax.ops.pallas_gpu import call_options, pow2_tile, whole
 
 MIN_PROGRAMS = 32  # column tiles narrowed until the add runs as at least this many programs
 MAX_TILE, MIN_TILE = 128, 16
@@ -86,7 +86,7 @@ def pending_sum(parts_SMD: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
 @dataclasses.dataclass(frozen=True)
 class Residual:
     """The residual stream x [..., D] with its rows' sums of squares in P parts, ss [..., P] float32
-    (a power of two; parts past the kernel's tiles are 0): what its next RMSNorm reduces."""
+    (one per column tile of the kernel that wrote x): what its next RMSNorm reduces."""
 
     x: jax.Array
     ss: jax.Array
@@ -137,7 +137,7 @@ def _tree(terms: list) -> jax.Array:
     return terms[0]
 
 
-def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, p: int, dt: jnp.dtype):
+def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, dt: jnp.dtype):
     *w_ref, out_ref, ss_ref = refs
     r, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * bd, bd)
@@ -157,10 +157,6 @@ def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, p: int,
     new32 = new.astype(f32)
     ss_ref[r, t] = jnp.sum(new32 * new32)
 
-    @pl.when(t < ss_ref.shape[1] - p)
-    def _():  # the parts past the tiles (up to a power of two) are 0
-        ss_ref[r, p + t] = jnp.zeros((), f32)
-
 
 def _fused_add(x: Residual, y: PendingSum, interpret: bool | None = None) -> Residual:
     d = x.shape[-1]
@@ -173,12 +169,12 @@ def _fused_add(x: Residual, y: PendingSum, interpret: bool | None = None) -> Res
     s, k = y.parts.shape[0], 0 if y.weights is None else y.weights.shape[1]
     extra = () if y.weights is None else (y.weights,)
     new_RD, ss_RP = pl.pallas_call(
-        functools.partial(_kernel, s=s, k=k, rows=r, bd=bd, p=p, dt=x.dtype),
-        out_shape=[jax.ShapeDtypeStruct((r, d), x.dtype), jax.ShapeDtypeStruct((r, next_pow2(p)), jnp.float32)],
+        functools.partial(_kernel, s=s, k=k, rows=r, bd=bd, dt=x.dtype),
+        out_shape=[jax.ShapeDtypeStruct((r, d), x.dtype), jax.ShapeDtypeStruct((r, p), jnp.float32)],
         grid=(r, p),
         in_specs=[whole(a) for a in (x_RD, y.parts, *extra)],
         out_specs=[whole(jax.ShapeDtypeStruct((r, d), x.dtype)),
-                   whole(jax.ShapeDtypeStruct((r, next_pow2(p)), jnp.float32))],
+                   whole(jax.ShapeDtypeStruct((r, p), jnp.float32))],
         name="residual_add",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(x_RD, y.parts, *extra)

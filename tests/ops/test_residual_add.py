@@ -33,8 +33,7 @@ def test_projection_sums_are_added_with_their_sums_of_squares(s, d, dtype):
     want = x + y.value()
     assert isinstance(got, Residual) and got.x.dtype == dtype and got.x.shape == x.shape
     assert rel_l2(got.x, want) < (1e-6 if dtype == jnp.float32 else 4e-3)
-    p = got.ss.shape[-1]
-    assert p & (p - 1) == 0 and p >= d // residual_add.MAX_TILE
+    assert got.ss.shape == (1, 1, d // residual_add._tile(d, 1))
     np.testing.assert_allclose(got.ss.sum(-1), sum_squares(got.x)[..., 0], rtol=1e-5)
 
 
@@ -101,4 +100,10 @@ def test_triton_lowering(h200_lowering):
 
     f32 = jnp.float32
     assert "triton" in h200_lowering(attn, sd((1, 1536), bf), sd((1, 1), f32), sd((32, 1, 1536), f32))
-    assert "triton" in h200_lowering(moe, sd((1, 1536), bf), sd((1, 64), f32), sd((8, 9, 1536), f32), sd((1, 8), f32))
+    assert "triton" in h200_lowering(moe, sd((1, 1536), bf), sd((1, 48), f32), sd((8, 9, 1536), f32), sd((1, 8), f32))
+
+    def reader(x, ss, norm, layer, i, a):  # the next projection, normed from the 48 parts
+        return gathered_products(NormedRows(x, norm, layer, ss, 1e-6), i, (a,), interpret=False)
+
+    assert "triton" in h200_lowering(reader, sd((1, 1536), bf), sd((1, 48), f32), sd((23, 1536), f32),
+                                     sd((), jnp.int32), sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
