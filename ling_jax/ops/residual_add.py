@@ -25,11 +25,11 @@ from jax.experimental import pallas as pl
 
 from ling_jax.layers.norms import sum_squares
 from ling_jax.ops.expert_gemv import add_partials
-from ling_jax.ops.pallas_gpu import call_options, is_pow2, pow2_tile, whole
+from ling_jax.ops.pallas_gpu import call_options, pow2_tile, whole
 
-MIN_PROGRAMS = 1  # column tiles narrowed until the add runs as at least this many programs
+MIN_PROGRAMS = 32  # column tiles narrowed until the add runs as at least this many programs
 MAX_TILE, MIN_TILE = 128, 16
-NUM_WARPS = 4
+NUM_WARPS = 1  # a [<= 128] float32 tile is at most 4 values per thread
 
 
 @jax.tree_util.register_dataclass
@@ -144,8 +144,6 @@ def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, dt: jnp
     f32 = jnp.float32
 
     def summed(m: jax.Array | int) -> jax.Array:  # copy m's output tile, cast as `PendingSum.value` does
-        if is_pow2(s):  # one [S, BD] load, summed across the program's threads
-            return jnp.sum(parts_ref[:, m, cols], axis=0).astype(dt).astype(f32)
         return _tree([parts_ref[i, m, cols] for i in range(s)]).astype(dt).astype(f32)
 
     if not w_ref:
