@@ -64,24 +64,23 @@ class _PendingNorm:
 class NormedRows(_PendingNorm):
     """`rms_norm(x, weight[layer], eps)` not yet applied: rows for the kernel to normalise as it reads
     them (`gathered_partials`), so that a decode step's RMSNorm costs no launch of its own. Each
-    row's sum of squares comes with them, in P parts (`normed_rows` reduces it in XLA as one part,
-    `ops.residual_add` writes one per column tile as it adds the stream): a program that
-    summed its row's squares itself took 1.4-1.8 us longer on a 30 MB weight (H200, BENCHMARKS.md). The norm
+    row's sum of squares comes with them (`normed_rows` reduces it in XLA): a program that summed its
+    row's squares itself took 1.4-1.8 us longer on a 30 MB weight (H200, BENCHMARKS.md). The norm
     weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied). Other
     consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
 
     x: jax.Array  # [..., C] the rows before the norm
     weight: jax.Array  # [L, C] the norm weights of a segment's layers
     layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
-    ss: jax.Array  # [..., P] float32, x's sums of squares in P parts (`layers.norms.sum_squares(x)`: P = 1)
+    ss: jax.Array  # [..., 1] float32, `layers.norms.sum_squares(x)`
     eps: float = dataclasses.field(metadata={"static": True})
 
     def value(self) -> jax.Array:
         """The normed rows as an array (the model's `rms_norm`, in XLA)."""
-        return rms_norm(self.x, self.weight[self.layer], self.eps, jnp.sum(self.ss, axis=-1, keepdims=True))
+        return rms_norm(self.x, self.weight[self.layer], self.eps, self.ss)
 
     def reshape(self, *shape: int) -> NormedRows:
-        return self._rows(self.x.reshape(*shape), self.ss.reshape(*self.x.reshape(*shape).shape[:-1], -1))
+        return self._rows(self.x.reshape(*shape), self.ss.reshape(*shape[:-1], 1))
 
     def __getitem__(self, index: object) -> NormedRows:
         return self._rows(self.x[index], self.ss[index])
@@ -171,12 +170,10 @@ def supported(c: int, o: int) -> bool:
 def _normed(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, c: int, eps: float,
             dt: jnp.dtype) -> jax.Array:
     """The prologue of `NormedRows`: the tile x_C [BC] of row `row` RMS-normed from the row's sum of
-    squares (its P parts added), with the model's cast order (`layers.norms.rms_norm`: normalise in
-    float32, cast, times the weight)."""
+    squares, with the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast,
+    times the weight)."""
     w_ref, layer_ref, ss_ref = refs
-    # the parts as scalar loads, added in registers: a vector load's sum is a reduction across the
-    # program's threads, which every program would wait for before its products
-    r = inv_rms(functools.reduce(lambda a, i: a + ss_ref[row, i], range(1, ss_ref.shape[-1]), ss_ref[row, 0]), c, eps)
+    r = inv_rms(ss_ref[row], c, eps)
     return ((x_C * r).astype(dt) * w_ref[layer_ref[0], pl.ds(s * bc, bc)].astype(dt)).astype(jnp.float32)
 
 
@@ -269,10 +266,7 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     if isinstance(x_RC, NormedRows):
         if x_RC.weight.shape[-1] != x_RC.shape[-1]:
             raise ValueError(f"gathered_products: norm weights {x_RC.weight.shape} do not match rows {x_RC.shape}")
-        if x_RC.ss.shape[:-1] != x_RC.shape[:-1]:
-            raise ValueError(f"gathered_products: sums of squares {x_RC.ss.shape} do not match rows {x_RC.shape}")
-        ss_RP = x_RC.ss.reshape(-1, x_RC.ss.shape[-1]).astype(jnp.float32)
-        pro = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), ss_RP)
+        pro = (x_RC.weight, jnp.reshape(x_RC.layer, (1,)).astype(jnp.int32), x_RC.ss.reshape(-1).astype(jnp.float32))
         prologue, x_RC = ("rms", x_RC.eps), x_RC.x
     elif isinstance(x_RC, GatedRows):
         (r, c), (_, h, j), v = x_RC.shape, x_RC.ss.shape, x_RC.weight.shape[-1]

@@ -78,7 +78,7 @@ def normed(x: jax.Array | Residual, w: jax.Array | WeightStack, eps: float) -> j
     if isinstance(x, Residual):
         if isinstance(w, WeightStack):
             return NormedRows(x.x, w.stack, w.layer, x.ss, eps)
-        return rms_norm(x.x, w, eps, jnp.sum(x.ss, axis=-1, keepdims=True))
+        return rms_norm(x.x, w, eps, x.ss)
     if isinstance(w, WeightStack):
         return normed_rows(x, w.stack, w.layer, eps)
     return rms_norm(x, w, eps)

@@ -5,9 +5,12 @@ cost XLA two launches: a loop fusion that adds the gemv kernel's partial sums (a
 weighs its experts' outputs) into the stream, then a reduce of the new stream's squares for the
 RMSNorm that follows (which the next gemv applies as it reads its input, `expert_gemv.NormedRows`).
 XLA does not fuse that reduce into the loop that writes its operand. Here one launch does both: the
-projection's output reaches the add as its partial sums (`PendingSum`), and every program of the
-kernel adds its tile of columns and writes the tile's sum of squares; the stream then travels
-between layers with those sums (`Residual`), which the next norm adds up (`layer_gemv.normed`).
+projection's output reaches the add as its partial sums (`PendingSum`); every program of the
+kernel adds its tile of columns and writes the tile's sum of squares, and the row's last program to
+finish (an atomic counter says which) adds those in tile order, so the result does not depend on
+which program finishes last. The stream then travels between layers with its sum (`Residual`), for
+the next norm (`layer_gemv.normed`). Handing the next gemv the tiles' sums instead cost every one of
+its programs their loads: +1.5 us on a 30 MB weight for 48 tiles (H200, BENCHMARKS.md).
 
 Triton lowering on GPU; interpret mode elsewhere (tests). `model.run_stack` carries a `Residual`
 where the step's projections run through the gemv kernel at one row.
@@ -22,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.layers.norms import sum_squares
 from ling_jax.ops.expert_gemv import add_partials
@@ -85,11 +89,13 @@ def pending_sum(parts_SMD: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Residual:
-    """The residual stream x [..., D] with its rows' sums of squares in P parts, ss [..., P] float32
-    (one per column tile of the kernel that wrote x): what its next RMSNorm reduces."""
+    """The residual stream x [..., D] with its rows' sums of squares ss [..., 1] float32 (what its next
+    RMSNorm reduces), and the kernel's per-row arrival counters [R] int32, zero between its launches
+    (each launch takes them and gives them back; `of` makes them once per decode step)."""
 
     x: jax.Array
     ss: jax.Array
+    count: jax.Array
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,9 +106,10 @@ class Residual:
         return self.x.dtype
 
     @classmethod
-    def of(cls, x: jax.Array) -> Residual:
-        """x with its sums of squares reduced by XLA, in one part."""
-        return cls(x, sum_squares(x))
+    def of(cls, x: jax.Array, count: jax.Array | None = None) -> Residual:
+        """x with its sums of squares reduced by XLA (and new zero counters unless given)."""
+        rows = math.prod(x.shape[:-1])
+        return cls(x, sum_squares(x), jnp.zeros((rows,), jnp.int32) if count is None else count)
 
 
 def stream(x: jax.Array | Residual) -> jax.Array:
@@ -118,7 +125,7 @@ def add(x: jax.Array | Residual, y: jax.Array | PendingSum) -> jax.Array | Resid
     if isinstance(y, PendingSum) and y.shape == x.shape and _tile(x.shape[-1], y.rows) is not None:
         return _fused_add(x, y)
     new = x.x + (y.value() if isinstance(y, PendingSum) else y)
-    return Residual.of(new)
+    return Residual.of(new, x.count)
 
 
 def _tile(d: int, rows: int) -> int | None:
@@ -138,7 +145,7 @@ def _tree(terms: list) -> jax.Array:
 
 
 def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, dt: jnp.dtype):
-    *w_ref, out_ref, ss_ref = refs
+    *w_ref, _, out_ref, ss_ref, tile_ss_ref, count_ref = refs  # count_ref is the counters' input, aliased
     r, t = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(t * bd, bd)
     f32 = jnp.float32
@@ -155,27 +162,39 @@ def _kernel(x_ref, parts_ref, *refs, s: int, k: int, rows: int, bd: int, dt: jnp
     new = (x_ref[r, cols].astype(f32) + y).astype(dt)
     out_ref[r, cols] = new
     new32 = new.astype(f32)
-    ss_ref[r, t] = jnp.sum(new32 * new32)
+    tile_ss_ref[r, t] = jnp.sum(new32 * new32)
+    # acquire-release at GPU scope: the tile's sum is visible before the count says so
+    arrived = pltriton.atomic_add(count_ref, (r,), jnp.int32(1))
+    n = tile_ss_ref.shape[1]
+
+    @pl.when(arrived == n - 1)
+    def _():  # the row's last program adds the tiles' sums in tile order (volatile: not from L1), rearms the counter
+        tiles = [pltriton.load(tile_ss_ref.at[r, pl.ds(i, 1)], volatile=True) for i in range(n)]
+        ss_ref[r, :] = functools.reduce(lambda a, b: a + b, tiles)
+        count_ref[r] = jnp.int32(0)
 
 
 def _fused_add(x: Residual, y: PendingSum, interpret: bool | None = None) -> Residual:
     d = x.shape[-1]
     x_RD = x.x.reshape(-1, d)
     r = x_RD.shape[0]
-    if y.rows != r or y.parts.shape[-1] != d:
-        raise ValueError(f"residual_add: {r} rows of {d} against partial sums {y.parts.shape}")
+    if y.rows != r or y.parts.shape[-1] != d or x.count.shape != (r,):
+        raise ValueError(f"residual_add: {r} rows of {d} ({x.count.shape} counters) against partial sums "
+                         f"{y.parts.shape}")
     bd = _tile(d, r)
     p = d // bd
     s, k = y.parts.shape[0], 0 if y.weights is None else y.weights.shape[1]
-    extra = () if y.weights is None else (y.weights,)
-    new_RD, ss_RP = pl.pallas_call(
+    ins = (x_RD, y.parts, *(() if y.weights is None else (y.weights,)), x.count)
+    outs = [jax.ShapeDtypeStruct((r, d), x.dtype), jax.ShapeDtypeStruct((r, 1), jnp.float32),
+            jax.ShapeDtypeStruct((r, p), jnp.float32), jax.ShapeDtypeStruct((r,), jnp.int32)]
+    new_RD, ss_R1, _, count = pl.pallas_call(
         functools.partial(_kernel, s=s, k=k, rows=r, bd=bd, dt=x.dtype),
-        out_shape=[jax.ShapeDtypeStruct((r, d), x.dtype), jax.ShapeDtypeStruct((r, p), jnp.float32)],
+        out_shape=outs,
         grid=(r, p),
-        in_specs=[whole(a) for a in (x_RD, y.parts, *extra)],
-        out_specs=[whole(jax.ShapeDtypeStruct((r, d), x.dtype)),
-                   whole(jax.ShapeDtypeStruct((r, p), jnp.float32))],
+        in_specs=[whole(a) for a in ins],
+        out_specs=[whole(o) for o in outs],
+        input_output_aliases={len(ins) - 1: 3},
         name="residual_add",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(x_RD, y.parts, *extra)
-    return Residual(new_RD.reshape(x.shape), ss_RP.reshape(*x.shape[:-1], -1))
+    )(*ins)
+    return Residual(new_RD.reshape(x.shape), ss_R1.reshape(*x.shape[:-1], 1), count)

@@ -1,5 +1,6 @@
 """The residual-add kernel (`ops.residual_add`) against XLA's sum of the same partial sums, and the
-sums of squares it hands to the next RMSNorm (`expert_gemv.NormedRows` with P parts)."""
+sum of squares it hands to the next RMSNorm (`expert_gemv.NormedRows`). On a GPU these run the
+Triton kernel, whose last program per row adds the tiles' sums after an atomic count."""
 
 from __future__ import annotations
 
@@ -24,17 +25,22 @@ def _stream(rng, shape, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_projection_sums_are_added_with_their_sums_of_squares(s, d, dtype):
     """A projection's partial sums (no weights): the kernel's stream equals XLA's `PendingSum.value()`
-    added to x, and its parts of the sum of squares add up to the new stream's. Split counts that
-    are odd, and beyond `expert_gemv.MAX_ADDED_PARTIALS` (where XLA reduces instead)."""
+    added to x, its sum of squares the new stream's, and its counters are zero again, call after
+    call on new values. Split counts that are odd, and beyond `expert_gemv.MAX_ADDED_PARTIALS`
+    (where XLA reduces instead)."""
     rng = np.random.default_rng(s + d)
-    x = _stream(rng, (1, 1, d), dtype)
-    y = pending_sum(jnp.asarray(rng.standard_normal((s, 1, d)), jnp.float32), (1, 1, d), dtype)
-    got = jax.jit(residual_add.add)(Residual.of(x), y)
-    want = x + y.value()
-    assert isinstance(got, Residual) and got.x.dtype == dtype and got.x.shape == x.shape
-    assert rel_l2(got.x, want) < (1e-6 if dtype == jnp.float32 else 4e-3)
-    assert got.ss.shape == (1, 1, d // residual_add._tile(d, 1))
-    np.testing.assert_allclose(got.ss.sum(-1), sum_squares(got.x)[..., 0], rtol=1e-5)
+    step = jax.jit(residual_add.add)
+    count = jnp.zeros((1,), jnp.int32)
+    for _ in range(3):
+        x = _stream(rng, (1, 1, d), dtype)
+        y = pending_sum(jnp.asarray(rng.standard_normal((s, 1, d)), jnp.float32), (1, 1, d), dtype)
+        got = step(Residual.of(x, count), y)
+        count = got.count
+        assert isinstance(got, Residual) and got.x.dtype == dtype and got.x.shape == x.shape
+        assert rel_l2(got.x, x + y.value()) < (1e-6 if dtype == jnp.float32 else 4e-3)
+        assert got.ss.shape == (1, 1, 1)
+        np.testing.assert_allclose(got.ss, sum_squares(got.x), rtol=1e-5)
+        np.testing.assert_array_equal(count, [0])
 
 
 @pytest.mark.parametrize("r,k", [(1, 8), (3, 2)])
@@ -49,13 +55,14 @@ def test_moe_copies_are_weighed_and_added_to_the_shared_expert(r, k, dtype):
     y = pending_sum(jnp.asarray(rng.standard_normal((s, r * k + r, d)), jnp.float32), (r, d), dtype, w)
     got = jax.jit(residual_add.add)(Residual.of(x), y)
     assert rel_l2(got.x, x + y.value()) < (1e-6 if dtype == jnp.float32 else 4e-3)
-    np.testing.assert_allclose(got.ss.sum(-1), sum_squares(got.x)[..., 0], rtol=1e-5)
+    np.testing.assert_allclose(got.ss, sum_squares(got.x), rtol=1e-5)
+    np.testing.assert_array_equal(got.count, np.zeros(r))
     np.testing.assert_allclose(jax.jit(residual_add.add)(x, y), x + y.value(), rtol=1e-5, atol=1e-5)  # XLA adds
 
 
 def test_the_next_norm_reads_the_sums_of_squares():
-    """A `Residual` normed by a stacked weight is `NormedRows` carrying its P parts: the gemv kernel's
-    products equal those of the stream normed in XLA, and `value()` equals `rms_norm`."""
+    """A `Residual` normed by a stacked weight is `NormedRows` carrying its sum of squares: the gemv
+    kernel's products equal those of the stream normed in XLA, and `value()` equals `rms_norm`."""
     rng = np.random.default_rng(3)
     d, o = 512, 64
     x = _stream(rng, (1, 1, d), jnp.float32)
@@ -84,6 +91,7 @@ def test_pending_sums_reshape_and_fall_back():
     got = residual_add.add(x, y)
     np.testing.assert_array_equal(got.x, jnp.full((1, 24), 3.0))
     np.testing.assert_array_equal(got.ss, jnp.full((1, 1), 9.0 * 24))
+    assert got.count is x.count
     assert isinstance(y, PendingSum) and jax.tree.leaves(y) == [parts]
 
 
@@ -92,18 +100,15 @@ def test_triton_lowering(h200_lowering):
     sums) and after a MoE layer (8 routed and 1 shared copies of 8 partial sums each)."""
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 
-    def attn(x, ss, parts):
-        return residual_add.add(Residual(x, ss), PendingSum(parts, None, (1, 1536), jnp.dtype(bf)))
+    def attn(x, ss, count, parts):
+        return residual_add._fused_add(Residual(x, ss, count), PendingSum(parts, None, (1, 1536), jnp.dtype(bf)),
+                                       interpret=False)
 
-    def moe(x, ss, parts, w):
-        return residual_add.add(Residual(x, ss), PendingSum(parts, w, (1, 1536), jnp.dtype(bf)))
+    def moe(x, ss, count, parts, w):
+        return residual_add._fused_add(Residual(x, ss, count), PendingSum(parts, w, (1, 1536), jnp.dtype(bf)),
+                                       interpret=False)
 
-    f32 = jnp.float32
-    assert "triton" in h200_lowering(attn, sd((1, 1536), bf), sd((1, 1), f32), sd((32, 1, 1536), f32))
-    assert "triton" in h200_lowering(moe, sd((1, 1536), bf), sd((1, 48), f32), sd((8, 9, 1536), f32), sd((1, 8), f32))
-
-    def reader(x, ss, norm, layer, i, a):  # the next projection, normed from the 48 parts
-        return gathered_products(NormedRows(x, norm, layer, ss, 1e-6), i, (a,), interpret=False)
-
-    assert "triton" in h200_lowering(reader, sd((1, 1536), bf), sd((1, 48), f32), sd((23, 1536), f32),
-                                     sd((), jnp.int32), sd((1,), jnp.int32), sd((23, 1536, 6272), bf))
+    f32, i32, call = jnp.float32, jnp.int32, "__gpu$xla.gpu.triton"
+    assert call in h200_lowering(attn, sd((1, 1536), bf), sd((1, 1), f32), sd((1,), i32), sd((32, 1, 1536), f32))
+    assert call in h200_lowering(moe, sd((1, 1536), bf), sd((1, 1), f32), sd((1,), i32), sd((8, 9, 1536), f32),
+                                 sd((1, 8), f32))
