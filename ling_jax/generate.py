@@ -73,7 +73,7 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
         if mixer == "kda":
             return kda.kda_mixer(p, h_B1D, cfg=cfg, cache=c)
         out_BD, row_BW = mla.mla_decode(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, cos=cos, sin=sin)
-        return out_BD.reshape(out_BD.shape[0], 1, -1), row_BW
+        return out_BD[:, None], row_BW
 
     def layer(p, x, lim, c, mixer, ffn):
         x, new, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))

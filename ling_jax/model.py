@@ -27,7 +27,7 @@ from ling_jax.layers.mlp import mlp
 from ling_jax.layers.moe import moe
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import rope_cos_sin
-from ling_jax.ops import layer_gemv, residual_add, stack_matmul
+from ling_jax.ops import layer_gemv, stack_matmul
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops.attention import attention_mask as visibility
 from ling_jax.ops.attention_pallas import documents
@@ -36,7 +36,6 @@ from ling_jax.ops.kda.decode_layer import KdaCacheStack
 from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, normed
 from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
-from ling_jax.ops.residual_add import PendingSum, Residual
 from ling_jax.ops.saved import KERNEL_RESIDUAL
 from ling_jax.params import Params, layer_params
 from ling_jax.sharding import context_mesh, multi_device
@@ -85,32 +84,29 @@ MixerFn = Callable[[Params, jax.Array, Mixer, Any], tuple[jax.Array, Any]]
 
 
 def decoder_layer(
-    p: Params, x_BTD: jax.Array | Residual, limits: jax.Array, *, cfg: LingConfig, ffn: Ffn,
-    mix: Callable[[Params, jax.Array], tuple[jax.Array | PendingSum, Any]],
-) -> tuple[jax.Array | Residual, Any, dict[str, jax.Array]]:
+    p: Params, x_BTD: jax.Array, limits: jax.Array, *, cfg: LingConfig, ffn: Ffn,
+    mix: Callable[[Params, jax.Array], tuple[jax.Array, Any]],
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     """One pre-norm decoder layer: x -> (x, what the mixer returned besides its output, router aux).
 
     `mix(attn_params, normed_x)` is the layer's KDA or MLA mixer in the mode of the caller
     (training/prefill over T tokens, or one decode step against a cache). Norm weights given as
     `WeightStack`s (the batch-1 decode step) leave the norms to the gemv kernels that read the
-    normed rows (`layer_gemv.normed`). The residual stream as a `Residual` (that step, where
-    `run_stack` makes one) carries its sums of squares to the next norm, and the mixer's and FFN's
-    outputs that come as partial sums (`PendingSum`) are added by the residual-add kernel.
+    normed rows (`layer_gemv.normed`).
     limits: [2] float32, the (routed, shared) SwiGLU clamp of this layer (0 = none).
     """
     p = dense_weights(p, x_BTD.dtype)  # FP8-resident weights: this layer's, dequantized here
     with jax.named_scope("mixer"):  # named scopes label the compiled ops (profiles: bench/device_profile.py)
         a, mixer_out = mix(p["attn"], normed(x_BTD, p["input_norm"], cfg.rms_norm_eps))
-    x_BTD = residual_add.add(x_BTD, a)
+    x_BTD = x_BTD + a
     h = normed(x_BTD, p["post_attn_norm"], cfg.rms_norm_eps)
     with jax.named_scope("ffn"):
         if ffn == "dense":
             m = p["mlp"]
-            f, aux = mlp(h, m["gate_proj"], m["up_proj"], m["down_proj"], w_gate_up=m.get("gate_up_proj"),
-                         pending=True), {}
+            f, aux = mlp(h, m["gate_proj"], m["up_proj"], m["down_proj"], w_gate_up=m.get("gate_up_proj")), {}
         else:
             f, aux = moe(p["mlp"], h, cfg=cfg, limit=limits[0], shared_limit=limits[1])
-    return residual_add.add(x_BTD, f), mixer_out, aux
+    return x_BTD + f, mixer_out, aux
 
 
 def sequence_mixer(cfg: LingConfig, ctx: Context) -> MixerFn:
@@ -273,7 +269,6 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     router and the norms too). Unrolled with caches, decode params and `cfg.pallas_decode("kda")`
     on one device, the KDA layers run as Python loops that thread their
     segment's cache stacks from layer to layer (`_KdaCaches`) through the KDA decode layer kernel.
-    At one row the stream goes from layer to layer as an `ops.residual_add.Residual`.
     """
     views = unroll and cfg.uses_moe and moe_ops.wants_stacks(
         cfg.moe_impl, x.dtype, x.shape[0] * x.shape[1] * cfg.num_experts_per_tok, cfg.hidden_size,
@@ -284,8 +279,6 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
     linear_views = (rows if unroll and caches is not None and rows <= stack_matmul.MAX_ROWS
                     and cfg.pallas_decode("proj") and not multi_device(context_mesh()) else 0)
     ys_all: list[Any] = []
-    if linear_views == 1:  # the stream carries its sums of squares (`ops.residual_add`)
-        x = Residual.of(x)
     for s, (seg, sp) in enumerate(zip(cfg.segments, params["segments"], strict=True)):
         cs = None if caches is None else caches[s]
         first = seg.first_layer
@@ -334,7 +327,7 @@ def run_stack(cfg: LingConfig, params: Params, x: jax.Array, layer_fn: LayerFn,
               _limits(cfg, base + g - 1), ck, cs_mla)
         x, ys = _layers(group, x, xs, unroll, loop or kda)
         ys_all.append({**ys, "kda": threaded.result()} if threaded else ys)
-    return residual_add.stream(x), ys_all
+    return x, ys_all
 
 
 def _split_latent(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:

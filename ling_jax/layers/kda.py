@@ -24,8 +24,7 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
-from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, column_starts, linear, linear_pending, pad_columns
-from ling_jax.ops.residual_add import PendingSum
+from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, column_starts, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
 from ling_jax.sharding import context_mesh, multi_device, per_shard
@@ -163,15 +162,14 @@ def _input_starts(p: dict[str, Any]) -> list[int]:
 
 
 def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: KdaCacheStack, *,
-                     cfg: LingConfig) -> tuple[jax.Array | PendingSum, KdaCacheStack]:
+                     cfg: LingConfig) -> tuple[jax.Array, KdaCacheStack]:
     """`kda_mixer`'s decode step (one token per row) with the conv, gate and recurrence in one kernel
     (`ops.kda.decode_layer`) on the segment's cache stacks: (out [B, 1, D], the cache with the state
     stack updated in place and the layer's new window). Takes the decode params
     (`fuse_input_projections`): q|k|v, f and the beta logits are read by column from the fused
     projection's output, f through its second low-rank factor where the gates are low-rank. With the
     output norm's weight and o_proj as stack views (the unrolled decode step), o_proj's kernel applies
-    the gated output norm as it reads o (`expert_gemv.GatedRows`); else XLA does. At one row through
-    the gemv kernel the output is left as o_proj's partial sums (`layer_gemv.linear_pending`)."""
+    the gated output norm as it reads o (`expert_gemv.GatedRows`); else XLA does."""
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
     with jax.named_scope("qkv"):
@@ -184,11 +182,11 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     norm_w, o_BX = p["o_norm"], o_BHV.reshape(b, h * dh)
     if isinstance(norm_w, WeightStack) and isinstance(p["o_proj"], WeightStack):  # the norm in o_proj's kernel
         rows = GatedRows(o_BX, ss_BHJ, z[0], norm_w.stack, norm_w.layer, z[1], cfg.rms_norm_eps)
-        return linear_pending(rows, p["o_proj"]).reshape(b, 1, -1), new
+        return linear(rows, p["o_proj"])[:, None], new
     norm_w = norm_w.value() if isinstance(norm_w, WeightStack) else norm_w
     z_BHV = z[0][:, z[1]:z[1] + h * dh].reshape(b, h, dh)
     o_BX = gated_rms_norm(o_BHV, z_BHV, norm_w, cfg.rms_norm_eps).reshape(b, h * dh)
-    return linear_pending(o_BX, p["o_proj"]).reshape(b, 1, -1), new
+    return linear(o_BX, p["o_proj"])[:, None], new
 
 
 def kda_mixer(

@@ -21,9 +21,8 @@ from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.attention import attention, masked_softmax
 from ling_jax.ops.attention_pallas import mla_attention_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
-from ling_jax.ops.layer_gemv import FUSED_INPUT, column_starts, linear, linear_pending, pad_columns
+from ling_jax.ops.layer_gemv import FUSED_INPUT, column_starts, linear, pad_columns
 from ling_jax.ops.mla_decode import LatentStack, latent_attention
-from ling_jax.ops.residual_add import PendingSum
 from ling_jax.sharding import per_shard
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the constructor default (§2.2)
@@ -71,14 +70,13 @@ def mla_latent(p: dict[str, Any], ckv_BTW: jax.Array, cfg: LingConfig) -> tuple[
     return rms_norm(c, p["kv_a_norm"], LATENT_NORM_EPS), k_rot
 
 
-def mla_output(p: dict[str, Any], o_BTHV: jax.Array, gate_BTX: jax.Array) -> jax.Array | PendingSum:
+def mla_output(p: dict[str, Any], o_BTHV: jax.Array, gate_BTX: jax.Array) -> jax.Array:
     """Sigmoid output gate (fp32, cast back; gate_BTX: the input's product with g_proj) on each
-    head's output, then `dense`: [B, T, D] (at one row through the gemv kernel, left as its partial
-    sums for the residual add: `layer_gemv.linear_pending`)."""
+    head's output, then `dense`: [B, T, D]."""
     b, t, h, dv = o_BTHV.shape
     gate = jax.nn.sigmoid(gate_BTX.astype(jnp.float32)).astype(gate_BTX.dtype)
     o_BTHV = o_BTHV * gate.reshape(b, t, h, -1)  # [.., H, 1] head-wise or [.., H, dv] element-wise
-    return linear_pending(o_BTHV.reshape(b, t, h * dv), p["dense"])
+    return linear(o_BTHV.reshape(b, t, h * dv), p["dense"])
 
 
 def mla_mixer(
@@ -166,7 +164,7 @@ def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: ja
 def mla_decode(
     p: dict[str, Any], x_BD: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: jax.Array, *,
     cfg: LingConfig, cos: jax.Array, sin: jax.Array,
-) -> tuple[jax.Array | PendingSum, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """One token per row against the latent cache, absorbed form (§5.1): (out [B, D], new row [B, r + d_r]).
 
     The query's nope part is folded through W_UK into the latent space, the attention runs over
@@ -187,4 +185,4 @@ def mla_decode(
     with jax.named_scope("latent_attention"):
         m_BHR = _attend(q_BHW, latent_BSW, lengths_B, new_BW, cfg=cfg)
     o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
-    return mla_output(p, o_BHV[:, None], gate_B1X).reshape(x_BD.shape[0], -1), new_BW
+    return mla_output(p, o_BHV[:, None], gate_B1X)[:, 0], new_BW

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.checkpoint.fp8 import is_block_fp8
-from ling_jax.ops.layer_gemv import linear, linear_pending
-from ling_jax.ops.residual_add import PendingSum
+from ling_jax.ops.layer_gemv import linear
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array, limit: jax.Array | float) -> jax.Array:
@@ -19,16 +18,14 @@ def swiglu_act(gate: jax.Array, up: jax.Array, limit: jax.Array | float) -> jax.
 
 
 def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-        limit: jax.Array | float = 0.0, w_gate_up: jax.Array | None = None, *,
-        pending: bool = False) -> jax.Array | PendingSum:
+        limit: jax.Array | float = 0.0, w_gate_up: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> [..., D]; weights [D, I], [D, I], [I, D] cast to x's dtype. `w_gate_up` [D, 2I]
-    (`fuse_gate_up`, the decode loop's params), when given, replaces the first two: one product.
-    `pending`: the down product by `layer_gemv.linear_pending` (for the residual add that follows)."""
+    (`fuse_gate_up`, the decode loop's params), when given, replaces the first two: one product."""
     if w_gate_up is None:
         gate, up = linear(x, w_gate), linear(x, w_up)
     else:
         gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
-    return (linear_pending if pending else linear)(swiglu_act(gate, up, limit), w_down)
+    return linear(swiglu_act(gate, up, limit), w_down)
 
 
 def fuse_gate_up(p: dict, prefix: str = "") -> dict:

@@ -24,7 +24,6 @@ import numpy as np
 from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv, stack_matmul
 from ling_jax.ops.expert_gemv import GatedRows, NormedRows, dense, normed_rows
-from ling_jax.ops.residual_add import PendingSum, Residual, pending_sum
 
 FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
 
@@ -71,14 +70,10 @@ def stackable(w: object, lead: int, dtype: jnp.dtype, rows: int = 1) -> bool:
     return expert_gemv.supported(*w.shape[-2:]) if rows == 1 else stack_matmul.supported(rows, *w.shape[-2:])
 
 
-def normed(x: jax.Array | Residual, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
+def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
     """`rms_norm(x, w, eps)`; with the weight as a `WeightStack` (the batch-1 decode step), the rows
     with the norm left to the gemv kernels that read them (`NormedRows`; `linear` and the MoE take
-    them, other consumers call `expert_gemv.dense`). A `Residual` brings its sums of squares."""
-    if isinstance(x, Residual):
-        if isinstance(w, WeightStack):
-            return NormedRows(x.x, w.stack, w.layer, x.ss, eps)
-        return rms_norm(x.x, w, eps, x.ss)
+    them, other consumers call `expert_gemv.dense`)."""
     if isinstance(w, WeightStack):
         return normed_rows(x, w.stack, w.layer, eps)
     return rms_norm(x, w, eps)
@@ -99,14 +94,6 @@ def linear(x: jax.Array | NormedRows | GatedRows, w: jax.Array | WeightStack) ->
     x = dense(x)
     parts_SRO = stack_matmul.partial_products(x.reshape(-1, c), w.stack, w.layer)
     return expert_gemv.add_partials(parts_SRO).astype(x.dtype).reshape(*x.shape[:-1], o)
-
-
-def linear_pending(x: jax.Array | NormedRows | GatedRows, w: jax.Array | WeightStack) -> jax.Array | PendingSum:
-    """`linear` for a product the residual stream adds next: at one row through the gemv kernel, the
-    result left as its partial sums (`ops.residual_add.PendingSum`), which the residual add sums."""
-    if isinstance(w, WeightStack) and math.prod(x.shape[:-1]) == 1:
-        return pending_sum(partial_products(x, w).reshape(-1, 1, w.shape[1]), (*x.shape[:-1], w.shape[1]), x.dtype)
-    return linear(x, w)
 
 
 def partial_products(x: jax.Array | NormedRows | GatedRows, w: WeightStack) -> jax.Array:

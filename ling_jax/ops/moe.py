@@ -57,7 +57,6 @@ import numpy as np
 from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv, row_scatter
 from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
-from ling_jax.ops.residual_add import PendingSum, pending_sum
 from ling_jax.ops.saved import keep
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
@@ -349,20 +348,13 @@ def shared_fits(hidden: int, intermediate: int, shared_intermediate: int) -> boo
 
 
 def _gemv_experts(x_ND: jax.Array | expert_gemv.NormedRows, w_NK: jax.Array, sel_NK: jax.Array,
-                  stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float) -> jax.Array:
-    """The gemv path: the weighted routed sum [N, D] float32. sel: each choice's expert in the given
-    weights (0 for choices that do not count, whose weight w is 0)."""
-    n, k = sel_NK.shape
-    y_MD = expert_gemv.add_partials(_gemv_parts(x_ND, sel_NK, stacks, stacked, limit)).astype(x_ND.dtype)
-    # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
-    return jnp.sum(w_NK[..., None] * y_MD.astype(jnp.float32).reshape(n, k, -1), axis=1)
+                  stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
+                  shared: SharedStacks | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """The gemv path: (weighted routed sum [N, D] float32, shared expert [N, D] in x's dtype or None).
 
-
-def _gemv_parts(x_ND: jax.Array | expert_gemv.NormedRows, sel_NK: jax.Array,
-                stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
-                shared: SharedStacks | None = None) -> jax.Array:
-    """The gemv path's two launches: every copy's expert output as the down product's [S, M, D]
-    float32 partial sums (M = N x k copies, then with `shared` N more, the shared expert's)."""
+    sel: each choice's expert in the given weights (0 for choices that do not count, whose weight
+    w is 0). With `shared`, the shared expert is N more copies in the same two launches.
+    """
     n, k = sel_NK.shape
     dt = x_ND.dtype
     sel_M = sel_NK.reshape(-1)
@@ -387,9 +379,11 @@ def _gemv_parts(x_ND: jax.Array | expert_gemv.NormedRows, sel_NK: jax.Array,
     index = dict(n_main=n * k, offset=offset, extra_idx=shared_idx)
     g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, **index)
     h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit_M)
-    (parts_SMD,) = expert_gemv.gathered_partials(h_MI, sel_M, (wd,), rows=np.arange(len(rows_M)), extra=extra_d,
-                                                 **index)
-    return parts_SMD
+    (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,), rows=np.arange(len(rows_M)), extra=extra_d, **index)
+    y_MD = y_MD.astype(dt)
+    # the weighted sum as a multiply-and-reduce: XLA fuses it with the cast (an einsum is a dot launch)
+    routed_ND = jnp.sum(w_NK[..., None] * y_MD[:n * k].astype(jnp.float32).reshape(n, k, -1), axis=1)
+    return routed_ND, None if shared is None else y_MD[n * k:]
 
 
 def routed_partial(
@@ -426,7 +420,7 @@ def routed_partial(
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":
         return _gemv_experts(x_ND, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0), stacks,
-                             stacked, limit)
+                             stacked, limit)[0]
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     x_ND = expert_gemv.dense(x_ND)
     if impl == "gather":
@@ -465,12 +459,11 @@ def routed_experts(
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
     shared: SharedStacks | None = None,
-) -> jax.Array | PendingSum:
+) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local).
 
     `shared` (the unrolled decode step's, made only where the gemv kernel runs on stacks): plus the
-    shared expert's output, computed in the same gemv launches, and the result left as the down
-    launch's partial sums for the residual add to sum (`ops.residual_add.PendingSum`).
+    shared expert's output, computed in the same gemv launches.
     """
     stacks = (w_gate_EDI, w_up_EDI, w_down_EID)
     if shared is None:
@@ -478,8 +471,8 @@ def routed_experts(
     if not gemv_tiles(stacks, x_ND.dtype) or resolve_impl(impl, x_ND.dtype, idx_NK.size, stacked=True) != "gemv":
         raise ValueError(f"routed_experts: a shared expert in the launches needs the gemv kernel on expert stacks "
                          f"(impl={impl!r}, {idx_NK.size} copies)")
-    parts_SMD = _gemv_parts(x_ND, idx_NK, stacks, True, limit, shared)
-    return pending_sum(parts_SMD, (idx_NK.shape[0], parts_SMD.shape[-1]), x_ND.dtype, w_NK)
+    routed_ND, shared_ND = _gemv_experts(x_ND, w_NK, idx_NK, stacks, True, limit, shared)
+    return routed_ND.astype(x_ND.dtype) + shared_ND
 
 
 def counts(idx: jax.Array, n: int) -> jax.Array:
