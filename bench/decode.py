@@ -140,10 +140,11 @@ def measure(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Names
     state = {"cache": random_cache(cfg, b, slots, ctx, jnp.bfloat16)}
     stop = jnp.asarray([-2], jnp.int32)
     zero, no_k, one = jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0)
+    keys = jax.random.split(jax.random.key(0), b)
 
     def call() -> tuple[jax.Array, jax.Array]:  # continues from the donated cache the last call returned
         out, counts, state["cache"] = decode_loop(cfg, params, state["cache"], logits, args.steps,
-                                                  jax.random.key(0), zero, no_k, one, stop,
+                                                  keys, zero, no_k, one, stop,
                                                   unroll_layers=not args.scan)
         return out, counts
 

@@ -48,7 +48,8 @@ def loop(cfg: LingConfig, params: Any, cache: Any, logits_BV: jax.Array, steps: 
     def one(state):
         step, cache, logits, out = state
         if form == "cond":
-            tok = sample(logits, jax.random.key(0), jnp.float32(0), jnp.int32(0), jnp.float32(1))
+            tok = sample(logits, jax.random.split(jax.random.key(0), logits.shape[0]), step, jnp.float32(0),
+                         jnp.int32(0), jnp.float32(1))
         else:
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
         cache, logits = decode_step(cfg, params, cache, tok)

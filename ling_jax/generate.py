@@ -10,6 +10,8 @@ recurrent step; MLA: absorbed attention over the latent cache), sampling, stop h
 from __future__ import annotations
 
 import functools
+import math
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,9 +104,10 @@ def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Arr
     return place({"segments": segs, "lengths": lengths + 1}), logits
 
 
-def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
-    """Next token per row: greedy when temperature == 0, else top-k / top-p filtered sampling."""
+    """Next token per row: greedy when temperature == 0, else top-k / top-p filtered sampling, row b
+    drawing with `fold_in(keys_B[b], step)` (its own key: its draws do not depend on its batch)."""
     greedy = jnp.argmax(logits_BV, axis=-1)
 
     def sampled() -> jax.Array:
@@ -116,7 +119,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array, top_k: 
         keep = (before < top_p) & (srt >= kth[:, None])
         cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
         masked = jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
-        keys = jax.random.split(key, logits.shape[0])
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
         return jax.vmap(jax.random.categorical)(keys, masked)
 
     return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
@@ -151,14 +154,16 @@ def fuse_for_decode(cfg: LingConfig, params: Params) -> Params:
 
 @functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("unroll_layers",), donate_argnums=(2,))
 def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
-                key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                keys_B: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                 stop_S: jax.Array, n_new: jax.Array | None = None, *,
                 unroll_layers: bool = True) -> tuple[jax.Array, jax.Array, Cache]:
     """Generates up to `n_new` (default `max_new`) tokens per row: (tokens [B, max_new], count per row
     [B], final cache). `max_new` only sizes the output buffer (static); `n_new` is traced, so calls
     asking for different numbers of tokens within one buffer size share a compilation.
 
-    A row stops after emitting a token of `stop_S`; the loop ends when every row has stopped.
+    Row b samples step i with `fold_in(keys_B[b], i)` (`generate` derives `keys_B` from the seed and
+    each row's prompt). A row stops after emitting a token of `stop_S`; the loop ends when every
+    row has stopped.
     The cache is donated and returned, so the loop updates it in place (no second copy).
     `unroll_layers` (default) compiles the step as one straight-line program over the layers
     (`run_stack`): on an H200 a Ling-3.0-tiny step took 5.9 instead of 12.9 ms at batch 1 and
@@ -176,7 +181,7 @@ def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Ar
     def body(state):
         step, cache, logits, out, done = state
         with jax.named_scope("sample"):
-            tok = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
+            tok = sample(logits, keys_B, step, temperature, top_k, top_p)
         out = out.at[:, step].set(jnp.where(done, -1, tok))
         done = done | jnp.isin(tok, stop_S)
         cache, logits = decode_step(cfg, params, cache, tok, unroll_layers)
@@ -192,43 +197,106 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)
+
+
+def _token_ids(p: Any, what: str, vocab_size: int) -> np.ndarray:
+    """`p` (a list / tuple / numpy or JAX array of token ids) as int32 [T]; ValueError naming `what`
+    and the first bad id."""
+    if isinstance(p, np.ndarray | jax.Array):
+        arr = np.asarray(p)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{what}: token ids must be integers, got an array of {arr.dtype}")
+    else:
+        if isinstance(p, str | bytes) or not isinstance(p, Sequence):
+            raise ValueError(f"{what}: expected a sequence of token ids, got {type(p).__name__}")
+        bad = [t for t in p if not _is_int(t)]
+        if bad:
+            raise ValueError(f"{what}: token id {bad[0]!r} is not an integer")
+        arr = np.asarray(p, np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    outside = arr[(arr < 0) | (arr >= vocab_size)]
+    if outside.size:
+        raise ValueError(f"{what} has token id {outside[0]} outside [0, vocab_size={vocab_size})")
+    return arr.astype(np.int32)
+
+
+def _row_keys(seeds: Sequence[int], rows: Sequence[np.ndarray]) -> jax.Array:
+    """One PRNG key per row from its 64-bit seed and a hash (CRC-32) of its prompt's ids, so a row's
+    draws depend on nothing else in its batch."""
+    words = np.array([(int(s) & 0xFFFFFFFF, (int(s) >> 32) & 0xFFFFFFFF, zlib.crc32(r.astype("<i4").tobytes()))
+                      for s, r in zip(seeds, rows, strict=True)], np.uint32)
+
+    def key(w_3: jax.Array) -> jax.Array:
+        k = jax.random.key(0)
+        for j in range(3):
+            k = jax.random.fold_in(k, w_3[j])
+        return k
+
+    return jax.vmap(key)(jnp.asarray(words))
+
+
+def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any) -> None:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if not _is_real(temperature) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 = greedy)")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 = off)")
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1]")
+
+
 def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
              stop_tokens: Sequence[int] | None = None, unroll_layers: bool = True) -> list[list[int]]:
-    """New tokens for each prompt (a list of token ids), stopping after a stop token (included).
+    """New tokens for each prompt (token ids: a list, tuple or 1-D array), stopping after a stop token
+    (included).
 
     `stop_tokens=None` uses the config's `eos_token_id`; `()` never stops early. Greedy when
-    `temperature == 0`. One jitted prefill and one jitted decode loop; `unroll_layers=False`
-    compiles its step with layer scans (`decode_loop`): a faster compile, slower steps.
+    `temperature == 0`. Sampling draws each row from its own key, made from `seed` and its prompt:
+    a prompt's output is the same in any batch, and identical prompts in one call draw alike unless
+    `seed` is a sequence (one seed per prompt). Seeds are 64-bit integers. One jitted prefill and one
+    jitted decode loop; `unroll_layers=False` compiles its step with layer scans (`decode_loop`): a
+    faster compile, slower steps.
     """
-    if not prompts:
+    if not isinstance(prompts, Sequence | np.ndarray | jax.Array) or isinstance(prompts, str | bytes):
+        raise ValueError(f"prompts: expected a list of token-id sequences, got {type(prompts).__name__}")
+    if len(prompts) == 0:
         raise ValueError("prompts is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"bad sampling values: temperature={temperature} top_k={top_k} top_p={top_p}")
-    lengths = [len(p) for p in prompts]
-    for i, p in enumerate(prompts):
-        if not p:
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    seeds = [seed] * len(prompts) if _is_int(seed) else list(seed) if isinstance(seed, Sequence) else None
+    if seeds is None or len(seeds) != len(prompts) or not all(_is_int(s) and -2**63 <= s < 2**64 for s in seeds):
+        raise ValueError(f"seed={seed!r} must be a 64-bit integer or a sequence of one per prompt")
+    rows = [_token_ids(p, f"prompt {i}", config.vocab_size) for i, p in enumerate(prompts)]
+    lengths = [len(r) for r in rows]
+    for i, n in enumerate(lengths):
+        if n == 0:
             raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
-        if len(p) + max_new_tokens > config.max_position_embeddings:
-            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds "
+        if n + max_new_tokens > config.max_position_embeddings:
+            raise ValueError(f"prompt {i}: {n} tokens + max_new_tokens={max_new_tokens} exceeds "
                              f"max_position_embeddings={config.max_position_embeddings}")
+    if stop_tokens is None:
+        stop = tuple(config.eos_token_id)
+    else:
+        stop = tuple(_token_ids(stop_tokens, "stop_tokens", config.vocab_size).tolist())
     t = _bucket(max(lengths))
-    ids = np.zeros((len(prompts), t), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = np.asarray(p, np.int32)
-    stop = tuple(config.eos_token_id) if stop_tokens is None else tuple(stop_tokens)
+    ids = np.zeros((len(rows), t), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
     stop_S = jnp.asarray(stop if stop else (-2,), jnp.int32)  # -2 never sampled
     # static shapes come in buckets (cache slots in whole decode-attention blocks, the output buffer in
     # powers of two), so calls with other prompt lengths or token budgets reuse the compilations
     slots = cache_length(max(lengths) + max_new_tokens)
     cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), slots)
-    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), jax.random.key(seed),
-                                 jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), stop_S,
-                                 jnp.int32(max_new_tokens), unroll_layers=unroll_layers)
+    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), _row_keys(seeds, rows),
+                                 jnp.float32(temperature), jnp.int32(min(top_k, config.vocab_size)),
+                                 jnp.float32(top_p), stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers)
     out, counts = np.asarray(out), np.asarray(counts)
-    return [out[i, : counts[i]].tolist() for i in range(len(prompts))]
+    return [out[i, : counts[i]].tolist() for i in range(len(rows))]

@@ -26,14 +26,14 @@ def checkpoint(tmp_path_factory):
 def test_text_and_id_prompts(checkpoint, capsys):
     rc = main(["--checkpoint", str(checkpoint), "--tokenizer", str(checkpoint.parent / "tokenizer.json"),
                "--prompt", "w5 w6 w7", "--prompt-ids", "9,10", "--max-new-tokens", "5", "--stop-tokens", "",
-               "--dtype", "float32", "--scan-layers"])  # the scanned step gives the unrolled one's tokens
+               "--dtype", "float32", "--scan-layers", "--timed-rerun"])  # scanned step: the unrolled one's tokens
     out = capsys.readouterr().out
     assert rc == 0
     cfg, params = ling_jax.load_hf_checkpoint(checkpoint)
     want = ling_jax.generate(cfg, params, [[5, 6, 7], [9, 10]], max_new_tokens=5, stop_tokens=())
     assert f"[0] prompt 3 tokens -> 5 new: {want[0]}" in out
     assert f"[1] prompt 2 tokens -> 5 new: {want[1]}" in out
-    assert "tokens/s" in out
+    assert "tokens/s (" in out and "s warm; first call with compilation" in out
     assert "'w" in out  # decoded text
 
 
@@ -42,6 +42,9 @@ def test_text_and_id_prompts(checkpoint, capsys):
     (["--prompt", "hello"], "need --tokenizer"),
     (["--prompt-ids", "1,x"], "--prompt-ids"),
     (["--prompt-ids", "1,999"], "outside"),
+    (["--prompt-ids", "1", "--stop-tokens", "1.5"], "--stop-tokens: '1.5' is not a token id"),
+    (["--prompt-ids", "1", "--seed", str(2**70)], "seed="),
+    (["--prompt-ids", "1", "--temperature", "nan"], "temperature=nan"),
     ([], "at least one"),
     (["--prompt-ids", "1", "--mesh", "expert=x"], "--mesh: 'expert=x'"),
     (["--prompt-ids", "1", "--mesh", "experts=2"], "--mesh: 'experts=2'"),

@@ -281,6 +281,14 @@ def _batch_invariance_and_sampling(cfg, params, sampling=True):
     a = generate(cfg, params, prompts, seed=5, **kw)
     assert a == generate(cfg, params, prompts, seed=5, **kw)
     assert a != generate(cfg, params, prompts, seed=6, **kw)
+    # a sampled row draws from its own key: the same tokens alone and at another place in a batch
+    for i in (0, 3):
+        assert generate(cfg, params, [prompts[i]], seed=5, **kw) == [a[i]]
+    assert generate(cfg, params, prompts[::-1], seed=5, **kw) == a[::-1]
+    # seeds are 64-bit (2**32 is not 0); one seed per prompt samples copies of a prompt differently
+    assert generate(cfg, params, prompts[:1], seed=2**32, **kw) != generate(cfg, params, prompts[:1], seed=0, **kw)
+    twice = generate(cfg, params, [prompts[0]] * 2, seed=[5, 6], **kw)
+    assert twice[0] == a[0] and twice[1] != twice[0]
 
 
 def test_stop_tokens(debug_model):
@@ -302,6 +310,22 @@ def test_bad_input(debug_model):
         generate(cfg, params, [[1] * 2000], max_new_tokens=100)
     with pytest.raises(ValueError, match="prompts is empty"):
         generate(cfg, params, [], max_new_tokens=2)
+    with pytest.raises(ValueError, match="token id 2.7 is not an integer"):
+        generate(cfg, params, [[1, 2.7]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 0: token ids must be integers"):
+        generate(cfg, params, [np.array([1.0, 2.0])], max_new_tokens=2)
+    with pytest.raises(ValueError, match="stop_tokens: expected a sequence"):
+        generate(cfg, params, [[1]], max_new_tokens=2, stop_tokens=5)
+    for bad in (dict(max_new_tokens=2.0), dict(max_new_tokens=None), dict(max_new_tokens=2, temperature=float("nan")),
+                dict(max_new_tokens=2, top_k=1.5), dict(max_new_tokens=2, top_p=0.0),
+                dict(max_new_tokens=2, seed=2**64), dict(max_new_tokens=2, seed=[1, 2])):
+        with pytest.raises(ValueError, match=next(iter(bad.keys() - {"max_new_tokens"}), "max_new_tokens")):
+            generate(cfg, params, [[1]], **bad)
+    # arrays are prompts too; a huge top_k is every token
+    assert generate(cfg, params, [np.array([5, 6, 7])], max_new_tokens=2) == generate(
+        cfg, params, [[5, 6, 7]], max_new_tokens=2)
+    assert generate(cfg, params, [[5]], max_new_tokens=2, top_k=2**40, temperature=1.0) == generate(
+        cfg, params, [[5]], max_new_tokens=2, temperature=1.0)
 
 
 def test_cache_size_ling31_flash():
