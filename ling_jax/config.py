@@ -62,11 +62,14 @@ class QuantConfig:
         if fmt != "e4m3":
             raise ConfigError(f"quantization_config.fmt={fmt!r}: only 'e4m3' is supported")
         block = d.get("weight_block_size") or [128, 128]
-        if len(block) != 2 or min(block) <= 0:
+        if not isinstance(block, list | tuple) or len(block) != 2 or not all(_int(b) and b > 0 for b in block):
             raise ConfigError(f"quantization_config.weight_block_size={block!r} must be [rows, cols]")
         excl: list[str] = []
         for key in ("modules_to_not_convert", "ignore", "ignored_layers"):
-            excl += list(d.get(key) or [])
+            names = d.get(key) or []
+            if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+                raise ConfigError(f"quantization_config.{key}={names!r} must be a list of module names")
+            excl += list(names)
         return cls(
             block_size=(int(block[0]), int(block[1])),
             fmt=fmt,
@@ -123,6 +126,22 @@ class Segment:
 
 def _tuple_or_none(v: Any) -> tuple | None:
     return None if v is None else tuple(v)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# what a scalar field's declared type admits: (test, description for the error)
+_SCALAR_KINDS: dict[str, tuple[Any, str]] = {
+    "int": (_int, "an integer"),
+    "float": (lambda v: _int(v) or isinstance(v, float), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+# read only when the model has MoE layers
+MOE_FIELDS = ("moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok",
+              "num_shared_experts", "n_group", "topk_group", "routed_scaling_factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +247,8 @@ class LingConfig:
                 d = json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}: not valid JSON ({e})") from e
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config.json holds a JSON {type(d).__name__}, not an object of fields")
         archs = d.get("architectures") or []
         if ARCHITECTURE not in archs:
             raise ConfigError(
@@ -239,11 +260,17 @@ class LingConfig:
         for flag in ("use_qkv_bias", "use_bias"):
             if d.get(flag):
                 raise ConfigError(f"{flag}=true: biased projections are not supported")
-        scaling = d.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ConfigError(f"rope_scaling={scaling!r}: only default RoPE is supported")
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in names}
+        for key in ("rope_scaling", "rope_parameters"):  # transformers v5 names it rope_parameters
+            scaling = d.get(key)
+            if scaling is not None and not isinstance(scaling, Mapping):
+                raise ConfigError(f"{key}={scaling!r}: must be null or an object")
+            if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+                raise ConfigError(f"{key}={scaling!r}: only default RoPE is supported")
+            theta = (scaling or {}).get("rope_theta")  # v5 keeps the base there
+            if theta is not None and kw.setdefault("rope_theta", theta) != theta:
+                raise ConfigError(f"{key}.rope_theta={theta!r} != rope_theta={kw['rope_theta']!r}")
         eos = d.get("eos_token_id")
         kw["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
@@ -251,13 +278,16 @@ class LingConfig:
         if "num_shared_experts" in d and d["num_shared_experts"] is None:
             kw["num_shared_experts"] = 0
         q = d.get("quantization_config")
+        if q is not None and not isinstance(q, Mapping):
+            raise ConfigError(f"quantization_config={q!r}: must be null or an object")
         kw["quantization"] = QuantConfig.from_hf(q) if q else None
         kw["hf_json"] = json.dumps(d, sort_keys=True)
         kw.update(options)
-        split = d.get("qk_nope_head_dim", cls.qk_nope_head_dim) + d.get("qk_rope_head_dim", cls.qk_rope_head_dim)
-        if "qk_head_dim" in d and d["qk_head_dim"] != split:
-            raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = {split}")
-        return cls(**kw)
+        cfg = cls(**kw)
+        if d.get("qk_head_dim") is not None and d["qk_head_dim"] != cfg.qk_head_dim:
+            raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = "
+                              f"{cfg.qk_head_dim}")
+        return cfg
 
     @classmethod
     def preset(cls, name: str, **options: Any) -> LingConfig:
@@ -277,9 +307,10 @@ class LingConfig:
             if f.name not in runtime:
                 v = getattr(self, f.name)
                 d[f.name] = list(v) if isinstance(v, tuple) else v
-        d["eos_token_id"] = (
-            self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
-        )
+        if self.eos_token_id:
+            d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
+        else:
+            d.pop("eos_token_id", None)
         d["architectures"] = [ARCHITECTURE]
         d.setdefault("model_type", "bailing_hybrid")
         d["qk_head_dim"] = self.qk_head_dim
@@ -289,11 +320,55 @@ class LingConfig:
             d.pop("quantization_config", None)
         return d
 
+    def _unused_fields(self) -> set[str]:
+        """Fields this config never reads (its MoE sizes without MoE layers, ...): they may be null."""
+        unused = set()
+        if self.num_experts is None or self.first_k_dense_replace >= self.num_hidden_layers:
+            unused |= set(MOE_FIELDS)
+        if not self.num_shared_experts:
+            unused.add("moe_shared_expert_intermediate_size")
+        if self.num_experts is not None and self.first_k_dense_replace == 0:
+            unused.add("intermediate_size")
+        return unused
+
+    def _check_types(self) -> None:
+        """ConfigError naming the first field whose value is not of its declared kind (a JSON null or
+        string where a number belongs...); fields the config never reads may be null."""
+        unused: set[str] | None = None
+        for f in dataclasses.fields(self):
+            kinds = str(f.type).split(" | ")
+            kind = kinds[0]
+            if kind not in _SCALAR_KINDS:
+                continue
+            v = getattr(self, f.name)
+            if v is None:
+                if "None" in kinds:
+                    continue
+                if f.name in MOE_FIELDS or f.name in ("intermediate_size", "moe_shared_expert_intermediate_size"):
+                    unused = self._unused_fields() if unused is None else unused
+                    if f.name in unused:
+                        continue
+            if not _SCALAR_KINDS[kind][0](v):
+                raise ConfigError(f"{f.name}={v!r}: must be {_SCALAR_KINDS[kind][1]}"
+                                  + (" or null" if "None" in kinds else ""))
+
     def __post_init__(self) -> None:
         for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "eos_token_id"):
             v = getattr(self, name)
             if isinstance(v, list):  # keep the config hashable (it is a static jit argument)
                 object.__setattr__(self, name, tuple(v))
+        eos = self.eos_token_id  # HF writes one id as a plain int
+        if eos is None or isinstance(eos, int):
+            object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_id):
+            raise ConfigError(f"eos_token_id={self.eos_token_id!r}: must be a token id or a list of them")
+        # the fields the schedule reads first, then every scalar field's kind
+        for f in ("num_hidden_layers", "first_k_dense_replace"):
+            v = getattr(self, f)
+            if not (isinstance(v, int) and not isinstance(v, bool)):
+                raise ConfigError(f"{f}={v!r}: must be an integer")
+        self._check_types()
+
         def need(ok: bool, field: str, why: str) -> None:
             if not ok:
                 raise ConfigError(f"{field}={getattr(self, field)!r}: {why}")
@@ -355,7 +430,7 @@ class LingConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
-        return self.moe_shared_expert_intermediate_size * self.num_shared_experts
+        return self.moe_shared_expert_intermediate_size * self.num_shared_experts if self.num_shared_experts else 0
 
     @property
     def uses_moe(self) -> bool:

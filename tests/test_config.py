@@ -87,11 +87,46 @@ def _golden_dict() -> dict:
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+        ({"quantization_config": "fp8"}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "weight_block_size"),
+        ({"num_nextn_predict_layers": None}, "num_nextn_predict_layers"),
+        ({"first_k_dense_replace": None}, "first_k_dense_replace"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+        ({"num_experts_per_tok": "4"}, "num_experts_per_tok"),
+        ({"rms_norm_eps": None}, "rms_norm_eps"),
+        ({"rope_scaling": "none"}, "rope_scaling"),
+        ({"eos_token_id": "</s>"}, "eos_token_id"),
     ],
 )
 def test_bad_config_names_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         LingConfig.from_hf({**_golden_dict(), **change})
+
+
+def test_null_fields_the_config_does_not_read(tmp_path):
+    """Nulls where the model never reads the field load; an int eos_token_id is one stop token."""
+    base = _golden_dict()
+    cfg = LingConfig.from_hf({**base, "num_shared_experts": 0, "moe_shared_expert_intermediate_size": None,
+                              "qk_head_dim": None})
+    assert cfg.shared_intermediate_size == 0 and cfg.qk_head_dim == base["qk_nope_head_dim"] + base["qk_rope_head_dim"]
+    dense = LingConfig.from_hf({**base, "num_experts": None, "moe_intermediate_size": None, "n_group": None})
+    assert not dense.uses_moe
+    (tmp_path / "config.json").write_text(json.dumps([base]))
+    with pytest.raises(ConfigError, match="config.json holds a JSON list"):
+        LingConfig.from_hf(tmp_path)
+    assert LingConfig.preset("debug", eos_token_id=2).eos_token_id == (2,)
+    assert "eos_token_id" not in LingConfig.from_hf({**base, "eos_token_id": None}).to_hf()
+
+
+def test_rope_parameters_of_transformers_v5():
+    """v5 configs keep the RoPE base in rope_parameters (or rope_scaling); it is read, not defaulted."""
+    base = {k: v for k, v in _golden_dict().items() if k != "rope_theta"}
+    for key in ("rope_parameters", "rope_scaling"):
+        assert LingConfig.from_hf({**base, key: {"rope_type": "default", "rope_theta": 1e4}}).rope_theta == 1e4
+    with pytest.raises(ConfigError, match="rope_parameters.rope_theta=10000.0 != rope_theta=5"):
+        LingConfig.from_hf({**base, "rope_theta": 5, "rope_parameters": {"rope_theta": 1e4}})
+    with pytest.raises(ConfigError, match="rope_parameters"):
+        LingConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 
 def test_missing_config_file(tmp_path):
