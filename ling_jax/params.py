@@ -46,6 +46,7 @@ class Leaf:
     init: Init = "normal"
     fp32: bool = False  # kept in float32 whatever the requested dtype (A_log, dt_bias, expert_bias)
     experts: bool = False  # leading axis = expert index, one HF tensor per expert
+    quantizable: bool = True  # a linear ("T") weight that block-FP8 checkpoints may store in FP8 (§4)
 
     def hf_shape(self, cfg: LingConfig) -> tuple[int, ...]:
         """Shape of one HF tensor (one expert's, for expert leaves)."""
@@ -116,7 +117,7 @@ def _dense_leaves(cfg: LingConfig) -> list[Leaf]:
 def _moe_leaves(cfg: LingConfig) -> list[Leaf]:
     d, e, im, is_ = cfg.hidden_size, cfg.num_experts or 0, cfg.moe_intermediate_size, cfg.shared_intermediate_size
     leaves = [
-        Leaf(("mlp", "router"), "mlp.gate.weight", lambda c: (d, e), init="router"),
+        Leaf(("mlp", "router"), "mlp.gate.weight", lambda c: (d, e), init="router", quantizable=False),
         Leaf(("mlp", "expert_bias"), "mlp.gate.expert_bias", lambda c: (e,), "none", "zeros", fp32=True),
         Leaf(("mlp", "gate_proj"), "mlp.experts.{e}.gate_proj.weight", lambda c: (e, d, im), experts=True),
         Leaf(("mlp", "up_proj"), "mlp.experts.{e}.up_proj.weight", lambda c: (e, d, im), experts=True),
@@ -158,7 +159,7 @@ def global_leaves(cfg: LingConfig) -> list[Leaf]:
         Leaf(("final_norm",), "model.norm.weight", lambda c: (d,), "none", "ones"),
     ]
     if not cfg.tie_word_embeddings:
-        leaves.append(Leaf(("lm_head",), "lm_head.weight", lambda c: (d, v)))
+        leaves.append(Leaf(("lm_head",), "lm_head.weight", lambda c: (d, v), quantizable=False))
     return leaves
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ import ling_jax
 from ling_jax.checkpoint import fp8
 from ling_jax.checkpoint.export import save_hf_checkpoint
 from ling_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir, SafetensorsFile, write_safetensors
-from ling_jax.config import ConfigError, LingConfig
+from ling_jax.config import ConfigError, LingConfig, QuantConfig
 from ling_jax.params import init_params
 
 
@@ -75,6 +76,60 @@ def test_fp8_export_reproduces_source_bits(tmp_path):
         a, b = mine.get(k), src.get(k)
         assert a.dtype == b.dtype and a.shape == b.shape, k
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), k
+
+
+def test_fp8_export_never_quantizes_router_or_head(tmp_path):
+    """Without exclusions the linear weights go FP8 but the router and lm_head stay floats (§4);
+    ue8m0 scales are powers of two, and the export loads back within FP8 rounding."""
+    cfg = LingConfig.preset("debug")
+    params = init_params(cfg, seed=1)
+    out = save_hf_checkpoint(cfg, params, tmp_path / "ck", quantization=QuantConfig((32, 32), scale_fmt="ue8m0"))
+    st = SafetensorsDir(out)
+    assert st.dtype_name("model.layers.0.attention.q_proj.weight") == "F8_E4M3"
+    for name in ("model.layers.1.mlp.gate.weight", "lm_head.weight"):
+        assert st.dtype_name(name) == "BF16" and name + "_scale_inv" not in st, name
+    scales = np.concatenate([st.get(k).ravel() for k in st if k.endswith("_scale_inv")])
+    assert np.array_equal(scales, np.exp2(np.round(np.log2(scales))))
+    _, back = ling_jax.load_hf_checkpoint(out)
+    w = np.asarray(params["segments"][0]["attn"]["q_proj"], np.float32)
+    assert np.abs(np.asarray(back["segments"][0]["attn"]["q_proj"]) - w).max() <= np.abs(w).max() / 8
+
+
+def test_tied_checkpoint_may_store_the_head(tmp_path):
+    """tie_word_embeddings with a stored lm_head.weight (as some exporters write) loads; the head is
+    the embeddings."""
+    cfg = LingConfig.preset("debug", tie_word_embeddings=True)
+    params = init_params(cfg, seed=2)
+    out = save_hf_checkpoint(cfg, params, tmp_path / "ck", dtype="float32")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = out / index["weight_map"]["model.word_embeddings.weight"]
+    f = SafetensorsFile(shard)
+    tensors = {k: np.array(f.get(k)) for k in f}
+    write_safetensors(shard, {**tensors, "lm_head.weight": tensors["model.word_embeddings.weight"]})
+    index["weight_map"]["lm_head.weight"] = shard.name
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, back = ling_jax.load_hf_checkpoint(out)
+    assert "lm_head" not in back
+    np.testing.assert_array_equal(back["embed"], params["embed"])
+
+
+def _raw_safetensors(path, header, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+@pytest.mark.parametrize("header, message", [
+    ([1, 2], "corrupt safetensors header \\(a JSON list"),
+    ({"a": {"dtype": "F32", "shape": [2]}}, "tensor a has data_offsets None"),
+    ({"a": [1]}, "tensor a's entry is not an object"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "tensor a has shape \\[-2\\]"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, "tensors a and b overlap"),
+])
+def test_corrupt_header(tmp_path, header, message):
+    _raw_safetensors(tmp_path / "x.safetensors", header, bytes(16))
+    with pytest.raises(CheckpointError, match=message):
+        SafetensorsFile(tmp_path / "x.safetensors")
 
 
 # ---------------------------------------------------------------- bad input: one clear error each

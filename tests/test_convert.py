@@ -121,6 +121,17 @@ def test_fp8_roundtrip_bit_exact(tmp_path, ck_float8):
     ling_jax.load_hf_checkpoint(out)
 
 
+def test_fp8_export_keeps_the_source_float_leaves(tmp_path):
+    """An FP8 source whose exclusions do not name a float weight (b_proj here): converted with
+    --dtype float8 and exported, that weight stays BF16 as in the source, bit for bit."""
+    src = shutil.copytree(FP8_SRC, tmp_path / "src")
+    hf = json.loads((src / "config.json").read_text())
+    hf["quantization_config"]["modules_to_not_convert"].remove("b_proj")
+    (src / "config.json").write_text(json.dumps(hf))
+    out = _export(_convert(src, tmp_path / "ck", "--dtype", "float8"), tmp_path / "hf")
+    _assert_same_tensors(out, src)
+
+
 def test_export_of_dequantized_checkpoint(tmp_path, ck_fp8_as_bf16):
     """A bf16 checkpoint of an FP8 source re-quantizes with the source's exclusions (auto), or stays bf16."""
     fp8_out, bf16_out = _export(ck_fp8_as_bf16, tmp_path / "a"), _export(ck_fp8_as_bf16, tmp_path / "b",
@@ -172,6 +183,33 @@ def test_training_step_directory(tmp_path):
 
 
 # ---------------------------------------------------------------- interruption
+def test_rerun_after_the_commit_finishes_the_cleanup(tmp_path, monkeypatch):
+    """Killed between the commit's rename and the removal of its state: the output loads, and a
+    re-run of the same conversion removes the leftover (another conversion is refused)."""
+    import ling_jax.checkpoint.convert as conv
+
+    out, real = tmp_path / "ck", conv.fsync_dir
+
+    class Killed(BaseException):
+        pass
+
+    def dies_after_rename(d: Path) -> None:
+        if d == out.parent:
+            raise Killed
+        real(d)
+
+    monkeypatch.setattr(conv, "fsync_dir", dies_after_rename)
+    with pytest.raises(Killed):
+        conv.convert_hf_to_orbax(BF16_SRC, out)
+    monkeypatch.setattr(conv, "fsync_dir", real)
+    assert (out / CONVERT_STATE).is_dir() and not partial_dir(out).exists()
+    with pytest.raises(FileExistsError, match="already exists"):
+        conv.convert_hf_to_orbax(BF16_SRC, out, dtype="float32")
+    assert conv.convert_hf_to_orbax(BF16_SRC, out) == out
+    assert not (out / CONVERT_STATE).exists()
+    load_checkpoint(out)
+
+
 def _big_fp8_source(path: Path, num_layers: int) -> Path:
     cfg = scaled_config(num_layers, hidden=512, vocab=4096, experts=16, expert_width=512)
     quant = QuantConfig(block_size=(128, 128), exclusions=LING_FP8_EXCLUSIONS)

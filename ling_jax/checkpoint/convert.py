@@ -231,11 +231,25 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     out = Path(out_dir)
     if not hf.is_dir():
         raise CheckpointError(f"{hf}: no such directory")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    # a committed output that still holds its conversion state was interrupted in its last cleanup
+    committed = (out / CONVERT_STATE).is_dir() and not partial_dir(out).exists()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not committed:
         raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
     cfg = LingConfig.from_hf(hf)
     src = HFSource(hf, cfg)
     src.validate(param_slots(cfg))
+    fingerprint = _fingerprint(hf, src, dtype, compress, chunk_bytes)
+    if committed:
+        try:
+            same = json.loads((out / CONVERT_STATE / "state.json").read_text()) == fingerprint
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if not same:
+            raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
+        shutil.rmtree(out / CONVERT_STATE)
+        say(f"{out} was committed by an interrupted run of this conversion; removed its leftover state")
+        open_checkpoint(out)
+        return out
     leaves, work = _plan(cfg, src, dtype)
     if dtype == "float8" and not any(lp.fp8_block for lp in leaves):
         raise CheckpointError(f"{hf} has no block-FP8 weights to keep; --dtype float8 needs an FP8 source "
@@ -243,7 +257,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     # ---------------------------------------------------------------- everything checked: start writing
     tmp = partial_dir(out)
     init_ns = time.time_ns()
-    lock = _prepare_partial(tmp, _fingerprint(hf, src, dtype, compress, chunk_bytes), say)
+    lock = _prepare_partial(tmp, fingerprint, say)
     try:
         state = tmp / CONVERT_STATE
         done = _read_log(state / "progress.log")

@@ -65,8 +65,10 @@ def to_hf_layout(arr: np.ndarray, leaf: Leaf) -> np.ndarray:
 
 
 def is_quantizable(name: str, leaf: Leaf, quant: QuantConfig | None) -> bool:
-    """Linear weights are FP8 unless their module is listed in the exclusions (suffix match)."""
-    return quant is not None and leaf.transform == "T" and not quant.excludes(name.removesuffix(".weight"))
+    """Linear weights are FP8 unless their module is listed in the exclusions (suffix match); the
+    router and lm_head never are (ARCHITECTURE.md §4)."""
+    return (quant is not None and leaf.transform == "T" and leaf.quantizable
+            and not quant.excludes(name.removesuffix(".weight")))
 
 
 class ElementSource(Protocol):
@@ -137,17 +139,23 @@ def _layer_of(name: str) -> int:
 
 
 def _plan(cfg: LingConfig, source: ElementSource, *, dtype: Any, quant: QuantConfig | None) -> list[_Group]:
-    """Every HF tensor to write, in HF order (embeddings, layer by layer, final norm and head)."""
+    """Every HF tensor to write, in HF order (embeddings, layer by layer, final norm and head).
+
+    A source that keeps FP8 leaves (`ling-convert --dtype float8`) had its float leaves stored as
+    floats in the FP8 checkpoint it came from: they stay floats. An all-float source is quantized by
+    `is_quantizable`."""
     groups = []
     f32 = np.dtype(np.float32)
-    for s, slot in enumerate(param_slots(cfg)):
+    slots = param_slots(cfg)
+    keeps_fp8 = any(source.fp8_block(slot) is not None for slot in slots)
+    for s, slot in enumerate(slots):
         hf_shape = slot.leaf.hf_shape(cfg)
         block = source.fp8_block(slot)
         cast_to = f32 if slot.leaf.fp32 or source.source_float32(slot) else np.dtype(jnp.dtype(dtype))
         for idx, name in slot.hf_names():
             if block is not None and quant is not None and block == _our_block(quant, slot.leaf):
                 action: Action = "copy_fp8"
-            elif quant is not None and is_quantizable(name, slot.leaf, quant):
+            elif quant is not None and (block is not None or not keeps_fp8) and is_quantizable(name, slot.leaf, quant):
                 action = "quantize"
             else:
                 action = "dequantize" if block is not None else "cast"
@@ -182,7 +190,7 @@ def _produce(g: _Group, source: ElementSource, quant: QuantConfig | None) -> Ite
     x = to_hf_layout(x, leaf)
     if g.action == "quantize":
         assert quant is not None
-        yield from fp8.quantize(x.astype(np.float32), quant.block_size)
+        yield from fp8.quantize(x.astype(np.float32), quant.block_size, quant.scale_fmt)
     else:
         yield x.astype(g.tensors[0][1], copy=False)
 
@@ -231,6 +239,8 @@ def write_hf_checkpoint(cfg: LingConfig, source: ElementSource, out_dir: str | P
     else:
         hf_cfg["quantization_config"] = quantization.to_hf()
     hf_cfg["torch_dtype"] = jnp.dtype(dtype).name
+    if "dtype" in hf_cfg:  # transformers v5's name for it
+        hf_cfg["dtype"] = hf_cfg["torch_dtype"]
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     SafetensorsDir(tmp)  # every header and the index parse back
     if out.exists():

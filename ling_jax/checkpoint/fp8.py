@@ -57,8 +57,13 @@ def dequantize(wq: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.
     return w
 
 
-def quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(FP8 weight, float32 block scales) with scale = amax(block) / 448, round to nearest even."""
+def quantize(w: np.ndarray, block: tuple[int, int], scale_fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(FP8 weight, float32 block scales) with scale = amax(block) / 448, round to nearest even.
+
+    `scale_fmt="ue8m0"` (ARCHITECTURE.md §4): each scale rounded up to a power of two, so the block
+    still fits in ±448."""
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"scale_fmt={scale_fmt!r}: only null or 'ue8m0' is known")
     w32 = np.asarray(w, np.float32)
     n, k = w32.shape
     sn, sk = scale_shape((n, k), block)
@@ -66,6 +71,8 @@ def quantize(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndar
     padded[:n, :k] = np.abs(w32)
     amax = padded.reshape(sn, block[0], sk, block[1]).max(axis=(1, 3))
     scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    if scale_fmt == "ue8m0":
+        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
     wq = (w32 / _expand(scale, (n, k), block)).astype(FP8)
     return wq, scale
 

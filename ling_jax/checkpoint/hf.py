@@ -62,6 +62,12 @@ class HFSource:
                     raise CheckpointError(f"{self.st.path}: missing tensor {name} (expected shape {list(want)})")
                 expected.add(name)
                 self._check(name, slot.leaf, want)
+        if self.cfg.tie_word_embeddings and "lm_head.weight" in self.st:  # a copy of the embeddings
+            v, d = self.cfg.vocab_size, self.cfg.hidden_size
+            if self.st.shape("lm_head.weight") != (v, d):
+                raise CheckpointError(f"tensor lm_head.weight has shape {list(self.st.shape('lm_head.weight'))}, "
+                                      f"expected {[v, d]} (tied to the embeddings)")
+            expected.add("lm_head.weight")  # unused: the head is the embeddings, as in transformers
         extra = [n for n in self.st
                  if n not in expected and not n.endswith(IGNORED_SUFFIXES)
                  and not (n.endswith("_scale_inv") and n[: -len("_scale_inv")] in expected)]

@@ -9,6 +9,7 @@ truncated file fails before anything is loaded, naming the file and the first te
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -61,12 +62,16 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                                  "not an object)")
+        meta = header.pop("__metadata__", None) or {}
+        self.metadata: dict[str, str] = meta if isinstance(meta, dict) else {}
         self.data_start = 8 + n
         self.header: dict[str, dict] = header
+        spans = []
         for name, info in header.items():
-            if info.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info.get('dtype')}")
+            self._check_entry(name, info)
             begin, end = info["data_offsets"]
             want = DTYPES[info["dtype"]].itemsize * int(np.prod(info["shape"], dtype=np.int64))
             if end - begin != want:
@@ -76,7 +81,32 @@ class SafetensorsFile:
                     f"{self.path}: truncated: tensor {name} ends at byte {self.data_start + end}, "
                     f"the file has {size}"
                 )
+            if end > begin:
+                spans.append((begin, end, name))
+        spans.sort()
+        for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+            if begin < end:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: the data of tensors {first} and "
+                                      f"{second} overlap")
         self._map: np.memmap | None = None
+
+    def _check_entry(self, name: str, info: Any) -> None:
+        """CheckpointError naming the tensor unless its header entry has a known dtype, a shape of
+        sizes >= 0 and data_offsets [begin, end] with 0 <= begin <= end."""
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: tensor {name}'s entry is not an object")
+        if info.get("dtype") not in DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info.get('dtype')}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(map(is_int, shape)):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: tensor {name} has shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_int, offsets))
+                or offsets[0] > offsets[1]):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: tensor {name} has data_offsets "
+                                  f"{offsets!r}")
 
     def keys(self) -> list[str]:
         return list(self.header)
