@@ -202,7 +202,8 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
         fp8 = fp8_bytes(cfg)
         one_layer = _largest_layer(cfg, sizes, lambda s: 2.0 if fp8(s) < 2.0 else 0.0)
         plan.add("one layer dequantized", one_layer, "bf16 copy of the largest layer's FP8 weights, split like them")
-    n = _layer_counts(cfg)
+    # the caches `generate` allocates: the main layers' (decoding does not run the MTP layer)
+    n = {m: sum(k == m for k, _ in cfg.layer_kinds) for m in ("kda", "mla")}
     h, dh, p, w = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
     state = math.prod((batch, h, dh, dh)) * 4 / shards(tuple(spec("kda_state", (batch, h, dh, dh), sizes)), sizes)
     conv = math.prod((batch, w - 1, 3 * p)) * 2 / shards(tuple(spec("kda_conv", (batch, w - 1, 3 * p), sizes)), sizes)
@@ -211,7 +212,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
     plan.add("KDA state cache", n["kda"] * (state + conv),
              f"{n['kda']} layers x {batch} seqs x [H {h}, {dh}, {dh}] fp32 + conv window; role kda_state")
     plan.add("MLA latent cache", n["mla"] * latent,
-             f"{n['mla']} layers (incl. MTP) x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
+             f"{n['mla']} layers x {batch} seqs x {context} tokens x {width} bf16; role mla_latent")
     t = prefill_tokens
     layer, work = _largest({"MoE worst-case buffers": moe_buffers(cfg, sizes, t),
                             "KDA": kda_buffers(cfg, sizes, t, chunk=kernel_chunk(DEFAULT_CHUNK, gpu=fused_attention)),

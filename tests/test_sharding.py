@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import ling_jax
 from ling_jax import distributed, sharding
+from ling_jax.cache import cache_bytes
 from ling_jax.config import LingConfig
 from ling_jax.generate import decode_step
 from ling_jax.layers.moe import moe
@@ -480,6 +481,11 @@ def test_memory_plan_divides_params_by_the_table():
     rows_ep, rows_tp = ({r[0]: r[1] for r in p.rows} for p in (ep, tp))
     assert rows_tp["other weights"] < rows_ep["other weights"] / 3
     assert rows_tp["MLA latent cache"] == pytest.approx(8 * rows_ep["MLA latent cache"])
+    # the caches are those decoding allocates (main layers, not the MTP layer): one device holds them all
+    one = {r[0]: r[1] for r in memory.plan_inference(cfg, {}, batch=64, context=1024, hbm_gb=141).rows}
+    sizes_B = cache_bytes(cfg, batch=64, max_len=1024)
+    assert one["MLA latent cache"] == sizes_B["mla_latent"]
+    assert one["KDA state cache"] == sizes_B["kda_state"] + sizes_B["kda_conv"]
     assert ep.total == pytest.approx(sum(rows_ep.values()))
     # the fused MLA attention (H200 plans) holds no [H, T, T] scores: linear, not quadratic, in T
     sizes = {a: 1 for a in memory.AXES}
