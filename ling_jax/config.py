@@ -283,11 +283,10 @@ class LingConfig:
         kw["quantization"] = QuantConfig.from_hf(q) if q else None
         kw["hf_json"] = json.dumps(d, sort_keys=True)
         kw.update(options)
-        cfg = cls(**kw)
-        if d.get("qk_head_dim") is not None and d["qk_head_dim"] != cfg.qk_head_dim:
-            raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = "
-                              f"{cfg.qk_head_dim}")
-        return cfg
+        nope, rope = d.get("qk_nope_head_dim", cls.qk_nope_head_dim), d.get("qk_rope_head_dim", cls.qk_rope_head_dim)
+        if d.get("qk_head_dim") is not None and _int(nope) and _int(rope) and d["qk_head_dim"] != nope + rope:
+            raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
+        return cls(**kw)
 
     @classmethod
     def preset(cls, name: str, **options: Any) -> LingConfig:
