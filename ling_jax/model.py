@@ -382,8 +382,13 @@ def _layer_jit(cfg: LingConfig, p: Params, x: jax.Array, limits: jax.Array, ctx:
     return x, aux
 
 
-def embed(params: Params, ids_BT: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], ids_BT, axis=0)
+def embed(params: Params, ids_BT: jax.Array, pad_id: int | None = None) -> jax.Array:
+    """Embedding rows of `ids_BT`; the `pad_id` row gets no gradient through the lookup (the
+    reference's `padding_idx`, ARCHITECTURE.md §2.9)."""
+    x_BTD = jnp.take(params["embed"], ids_BT, axis=0)
+    if pad_id is None:
+        return x_BTD
+    return jnp.where((ids_BT == pad_id)[..., None], jax.lax.stop_gradient(x_BTD), x_BTD)
 
 
 def lm_head(cfg: LingConfig, params: Params, h_BTD: jax.Array) -> jax.Array:
@@ -434,7 +439,7 @@ def mtp_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, h_final_BT
 
         def layer(p, h, ids, i=i):
             p = dense_weights(p, h.dtype)
-            e = rms_norm(embed(params, ids), p["enorm"], cfg.rms_norm_eps)
+            e = rms_norm(embed(params, ids, cfg.pad_token_id), p["enorm"], cfg.rms_norm_eps)
             z = jnp.concatenate([e, rms_norm(h, p["hnorm"], cfg.rms_norm_eps)], axis=-1)
             z = z @ p["eh_proj"].astype(z.dtype)
             z, _, aux = decoder_layer(p, z, _limits(cfg, np.array(i)), cfg=cfg, ffn=cfg.ffn_of(i),
@@ -480,7 +485,7 @@ def forward_hidden(cfg: LingConfig, params: Params, input_ids: jax.Array, *,
             y["counts"] = _expert_counts(cfg, aux)
         return x, y
 
-    x, ys = run_stack(cfg, params, embed(params, input_ids), layer, unroll=unroll)
+    x, ys = run_stack(cfg, params, embed(params, input_ids, cfg.pad_token_id), layer, unroll=unroll)
     out: dict[str, Any] = {"final": rms_norm(x, params["final_norm"], cfg.rms_norm_eps)}
     if mtp:
         out["mtp"], mtp_aux = mtp_hidden(cfg, params, input_ids, out["final"], ctx, remat)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,6 +134,115 @@ def test_clip_by_norm_is_optax_clip_by_global_norm(max_norm):
     got = clip_by_norm(grads, optax.tree.norm(g32), max_norm)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), got, want)
     assert (float(optax.tree.norm(got)) < max_norm) == (max_norm == 50.0)
+
+
+def test_pad_row_of_the_embedding_gets_no_gradient():
+    """As the reference's padding_idx: the lookup of pad ids sends no gradient to that row."""
+    cfg = LingConfig.preset("debug", **GRAD_SHAPE)
+    ids = jnp.asarray([[5, cfg.pad_token_id, 7, 5]])
+
+    def loss(emb):
+        return jnp.sum(forward_hidden(cfg, {**params, "embed": emb}, ids)["final"] ** 2)
+
+    params = init_params(cfg, seed=0)
+    g = jax.grad(loss)(params["embed"])
+    assert float(jnp.abs(g[cfg.pad_token_id]).max()) == 0.0 and float(jnp.abs(g[5]).max()) > 0
+
+
+def test_clip_norm_zero_means_no_clipping():
+    grads = {"a": jnp.full((3,), 10.0)}
+    np.testing.assert_array_equal(clip_by_norm(grads, optax.tree.norm(grads), 0.0)["a"], grads["a"])
+
+
+@pytest.mark.parametrize("change, msg", [
+    (dict(max_bad_steps=0), "max_bad_steps=0 must be at least 1"), (dict(log_every=0), "log_every=0"),
+    (dict(lr=-1.0), "lr=-1.0 must be positive"), (dict(clip_norm=-1.0), "clip_norm=-1.0 must be >= 0"),
+    (dict(compute_dtype="fp16"), "compute_dtype='fp16'"), (dict(mesh={"model": 2}), "mesh={'model': 2}"),
+    (dict(lr="3e-4"), "lr='3e-4': must be float"), (dict(beta2=1.0), "beta2=1.0 must be in"),
+])
+def test_train_config_refuses_bad_values(change, msg):
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig.load(None, **change)
+
+
+def test_untrained_mtp_layer_is_frozen():
+    """With MTP loss weight 0 no gradient reaches the MTP layer: weight decay must not shrink it either."""
+    cfg = LingConfig.preset("debug", **TINY)
+    params = init_params(cfg, seed=0)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for weight, mtp_moves in ((0.0, False), (0.3, True)):
+        opt = make_optimizer(cfg, TrainConfig(**{**TCFG, "mtp_loss_weight": weight, "warmup_steps": 0}))
+        updates, _ = opt.update(grads, opt.init(params), params)
+        assert any(np.any(np.asarray(u) != 0) for u in jax.tree.leaves(updates["mtp"])) == mtp_moves
+        assert np.any(np.asarray(updates["embed"]) != 0)
+
+
+def test_token_stream_over_files_equals_their_concatenation(tmp_path):
+    """A directory of token files is read as one stream of memory maps (never concatenated whole)."""
+    from train.data import TokenStream, load_tokens
+
+    parts = [corpus(n, seed=n) for n in (3, 1, 5)]
+    for i, arr in enumerate(parts):
+        arr.tofile(tmp_path / f"{i}.bin")
+    stream, whole = load_tokens(tmp_path, vocab_size=512, eos_id=1), np.concatenate(parts)
+    assert isinstance(stream, TokenStream) and stream.size == whole.size
+    for lo, hi in ((0, whole.size), (5, parts[0].size + 3), (parts[0].size, parts[0].size + parts[1].size + 1)):
+        np.testing.assert_array_equal(stream[lo:hi], whole[lo:hi])
+    a = PackedBatches(stream, seq_len=16, batch_size=2, eos_id=1, seed=3)
+    b = PackedBatches(whole, seq_len=16, batch_size=2, eos_id=1, seed=3)
+    for _ in range(4):
+        jax.tree.map(np.testing.assert_array_equal, next(a), next(b))
+
+
+def test_data_position_must_belong_to_the_corpus():
+    from train.data import DataError
+
+    toks = corpus(40)
+    with pytest.raises(DataError, match="fewer than one batch of 1000"):
+        PackedBatches(toks, seq_len=16, batch_size=1000, eos_id=1)
+    batches = PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1)
+    next(batches)
+    state = batches.state()
+    assert PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1, state=state).state() == state
+    with pytest.raises(DataError, match="seq_len 16 -> 32"):
+        PackedBatches(toks, seq_len=32, batch_size=4, eos_id=1, state=state)
+    with pytest.raises(DataError, match="seed 0 -> 1"):
+        PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1, seed=1, state=state)
+
+
+def test_resumed_metrics_drop_the_steps_after_the_checkpoint(tmp_path):
+    from train.main import _truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 7)) + '{"step": 7, "lo')
+    _truncate_metrics(path, 4)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.mark.heavy
+def test_sigterm_saves_and_resumes(tmp_path):
+    """SIGTERM (a scheduler's preemption) stops the run after a step with a checkpoint there (exit
+    143); the same command then finishes the run, each step in metrics.jsonl once."""
+    data = tmp_path / "corpus.bin"
+    corpus(200).tofile(data)
+    cfg_file = tmp_path / "train.json"
+    cfg_file.write_text(json.dumps({**TCFG, "checkpoint_every": 100}))
+    run = _train_cli(tmp_path / "r", 40, data, cfg_file)
+    metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.time() + 900
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert run.poll() is None and time.time() < deadline, run.communicate()[0]
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    log = run.communicate(timeout=600)[0]
+    assert run.returncode == 143 and "SIGTERM: stopped at step" in log, log
+    stopped = int(re.search(r"SIGTERM: stopped at step (\d+)", log).group(1))
+    assert 2 <= stopped < 40 and (tmp_path / "r" / "checkpoints" / str(stopped)).is_dir()
+    assert sorted(_losses(tmp_path / "r")) == list(range(1, stopped + 1))
+    resumed = _train_cli(tmp_path / "r", stopped + 2, data, cfg_file)
+    log = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0 and f"at step {stopped}" in log, log
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, stopped + 3))
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases

@@ -12,8 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ling_jax.config import LingConfig
 from ling_jax.model import REMAT_POLICIES
+from ling_jax.sharding import AXES
 from train.loss import LOGITS_DTYPES
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +37,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    clip_norm: float = 1.0
+    clip_norm: float = 1.0  # global gradient norm; 0 = no clipping
     compute_dtype: str = "bfloat16"  # params are fp32 masters; forward/backward run in this dtype
     remat: str = "full"  # "none" or a policy of ling_jax.model.REMAT_POLICIES ("full", "dots", "dots_kernels", ...)
     unroll_layers: bool = False  # layers as straight-line code, not scans: faster steps, longer compiles
@@ -73,9 +77,37 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "keep_checkpoints"):
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            if v is None and "None" in kind:
+                continue
+            ok = {"int": _int(v), "float": _int(v) or isinstance(v, float), "bool": isinstance(v, bool),
+                  "str": isinstance(v, str)}.get(kind.split(" | ")[0], True)
+            if not ok:
+                raise ValueError(f"{f.name}={v!r}: must be {kind.split(' | ')[0]}")
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "keep_checkpoints",
+                     "max_bad_steps", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("warmup_steps", "schedule_steps", "weight_decay", "clip_norm", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0" + (" (0: no clipping)" if name ==
+                                                                                   "clip_norm" else ""))
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.mtp_loss_weight is not None and self.mtp_loss_weight < 0:
+            raise ValueError(f"mtp_loss_weight={self.mtp_loss_weight} must be >= 0 (or null: the model config's)")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops={self.peak_tflops} must be positive (or null: from the device kind)")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
+        if not isinstance(self.mesh, dict) or any(a not in AXES or not _int(n) or n < 1 for a, n in self.mesh.items()):
+            raise ValueError(f"mesh={self.mesh!r} must map axes of {AXES} to sizes >= 1")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
         if self.schedule not in ("constant", "cosine"):
@@ -89,3 +121,13 @@ class TrainConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def mtp_weight(cfg: LingConfig, tcfg: TrainConfig) -> float:
+    """The MTP loss's weight in the objective (0: the MTP layer is neither run nor trained)."""
+    w = cfg.mtp_loss_scaling_factor if tcfg.mtp_loss_weight is None else tcfg.mtp_loss_weight
+    return float(w) if cfg.num_nextn_predict_layers > 0 else 0.0

@@ -9,8 +9,10 @@ eos appended to each document. A directory means all such files in it, in sorted
 Packing cuts the stream into consecutive windows of T + 1 tokens (inputs and next-token labels).
 Inside a window a new segment starts after every eos, so KDA, the short conv and MLA never look
 across a document boundary; the label of an eos (the next document's first token) is masked.
-The iterator is deterministic and checkpointable: its whole state is `{"epoch", "index"}`, and
-epoch e visits the windows in the order of a permutation seeded by (seed, e).
+The iterator is deterministic and checkpointable: its state is `{"epoch", "index"}` (plus the
+window count, length, seed and order it refers to, checked on resume), and epoch e visits the
+windows in the order of a permutation seeded by (seed, e). The tail of fewer than T + 1 tokens
+is never trained.
 """
 
 from __future__ import annotations
@@ -27,6 +29,27 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 class DataError(ValueError):
     """A corpus that cannot be trained on; the message names the file."""
+
+
+class TokenStream:
+    """Token arrays (memory-mapped files, tokenized text) read as one stream without concatenating
+    them: `size` and `[lo:hi]` slices, which copy only the parts they cover."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [p.size for p in parts])
+        self.size = int(self.starts[-1])
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        lo, hi, _ = sl.indices(self.size)
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        pieces = []
+        for k in range(max(first, 0), len(self.parts)):
+            if self.starts[k] >= hi:
+                break
+            a, b = max(lo - self.starts[k], 0), min(hi - self.starts[k], self.parts[k].size)
+            pieces.append(np.asarray(self.parts[k][a:b]))
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
 
 
 def _files(path: Path) -> list[Path]:
@@ -57,8 +80,10 @@ def _documents(path: Path) -> list[str]:
     return docs
 
 
-def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: str | Path | None = None) -> np.ndarray:
-    """The whole corpus as one 1-D integer array (memory-mapped for a single token file)."""
+def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: str | Path | None = None
+                ) -> np.ndarray | TokenStream:
+    """The whole corpus as one 1-D integer stream: an array for one file (memory-mapped for a token
+    file), a `TokenStream` over a directory's files (each memory-mapped, never copied whole)."""
     parts: list[np.ndarray] = []
     tok = None
     for f in _files(Path(path)):
@@ -79,10 +104,13 @@ def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: st
             if tok is None:
                 from tokenizers import Tokenizer
 
-                tok = Tokenizer.from_file(str(tokenizer))
+                try:
+                    tok = Tokenizer.from_file(str(tokenizer))
+                except Exception as e:  # the tokenizers library raises plain Exceptions
+                    raise DataError(f"--tokenizer {tokenizer}: {e}") from None
             ids = [t for doc in _documents(f) for t in [*tok.encode(doc, add_special_tokens=False).ids, eos_id]]
             parts.append(np.asarray(ids, np.uint32))
-    tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    tokens = parts[0] if len(parts) == 1 else TokenStream(parts)
     if tokens.size < 2:
         raise DataError(f"--data {path}: the corpus is empty (needs at least 2 tokens)")
     for lo in range(0, tokens.size, 1 << 24):  # bounded memory even for huge memmaps
@@ -97,15 +125,29 @@ def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: st
 class PackedBatches:
     """Deterministic, checkpointable iterator of packed batches {"inputs", "labels", "segment_ids"} [B, T]."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, eos_id: int, seed: int = 0,
-                 shuffle: bool = True, state: dict[str, int] | None = None):
+    def __init__(self, tokens: np.ndarray | TokenStream, *, seq_len: int, batch_size: int, eos_id: int,
+                 seed: int = 0, shuffle: bool = True, state: dict[str, int] | None = None):
         self.tokens, self.seq_len, self.batch_size, self.eos_id = tokens, seq_len, batch_size, eos_id
         self.seed, self.shuffle = seed, shuffle
         self.n_windows = (tokens.size - 1) // seq_len
-        if self.n_windows < 1:
-            raise DataError(f"the corpus has {tokens.size} tokens: fewer than one sequence of seq_len={seq_len} + 1")
+        if self.n_windows < batch_size:
+            raise DataError(f"the corpus has {tokens.size} tokens: {self.n_windows} sequences of seq_len={seq_len} "
+                            f"+ 1, fewer than one batch of {batch_size} (each batch would repeat sequences)")
         self.epoch, self.index = (0, 0) if state is None else (int(state["epoch"]), int(state["index"]))
+        if state is not None:
+            self._check_resume(state)
         self._order = self._permutation(self.epoch)
+
+    def _check_resume(self, state: dict[str, int]) -> None:
+        """DataError unless `state` was taken over this corpus with this order (a position in another
+        corpus or order would resume at other tokens)."""
+        ours = self.state()
+        changed = [f"{k} {state[k]} -> {ours[k]}" for k in ("n_windows", "seq_len", "seed", "shuffle")
+                   if k in state and state[k] != ours[k]]
+        if changed or not 0 <= self.index <= self.n_windows:
+            raise DataError("the checkpoint's data position belongs to another corpus or order ("
+                            + (", ".join(changed) or f"window {self.index} of {self.n_windows}")
+                            + "): resume with the run's --data, --seq-len, seed and shuffle, or start a new --out")
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -113,7 +155,9 @@ class PackedBatches:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
     def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        """The position (epoch, index), with what it is a position in (corpus windows, order)."""
+        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows, "seq_len": self.seq_len,
+                "seed": self.seed, "shuffle": int(self.shuffle)}
 
     def window(self, w: int) -> dict[str, np.ndarray]:
         """Inputs, labels and segment ids of window `w`: each [T]."""

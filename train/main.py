@@ -5,9 +5,11 @@
 
 `--steps N` is the total: if `--out` already holds a checkpoint the run resumes from it and
 continues up to N (a run of 20 steps then the same command with `--steps 40` equals one run of
-40). A checkpoint is always written when a run ends. Every step appends one JSON line to
-`<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...) and prints a
-progress line; metrics are read one step late so the device never waits for the host.
+40). A checkpoint is written when a run ends after any step: at `--steps`, on an error, on Ctrl-C
+or on SIGTERM (a scheduler's preemption; the run then exits 143). Every step appends one JSON line
+to `<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...; a resumed
+run first drops the lines after its checkpoint) and prints a progress line; metrics are read one
+step late so the device never waits for the host, and a step's time excludes checkpoint writes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import argparse
 import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,15 +46,15 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def init_model(spec: str, dtype: str, mesh: Any) -> tuple[Any, Any]:
-    """(config, float32 params) from random:PRESET, hf:DIR or orbax:DIR."""
+def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, Any]:
+    """(config, float32 params) from random:PRESET (drawn with `seed`), hf:DIR or orbax:DIR."""
     import ling_jax
     from ling_jax.params import init_params
 
     kind, _, arg = spec.partition(":")
     if kind == "random":
         cfg = ling_jax.LingConfig.preset(arg)
-        return cfg, init_params(cfg, seed=0, dtype=dtype, mesh=mesh)
+        return cfg, init_params(cfg, seed=seed, dtype=dtype, mesh=mesh)
     if kind == "hf":
         return ling_jax.load_hf_checkpoint(arg, dtype=dtype, mesh=mesh)
     if kind == "orbax":
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     try:
         return run(args, tcfg)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
         return _fail(str(e))
 
 
@@ -90,13 +94,17 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
 
     distributed.initialize()  # joins a multi-process job when one is configured; else nothing
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a run directory")
     out.mkdir(parents=True, exist_ok=True)
+    lead = jax.process_index() == 0  # the process that writes the run's files and prints
     mesh = make_mesh(**tcfg.mesh) if tcfg.mesh else None
     ckpts = RunCheckpoints(out, keep=tcfg.keep_checkpoints)
     resume = ckpts.latest_step()
     if resume is None:
-        cfg, params = init_model(args.init, "float32", mesh)
-        (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+        cfg, params = init_model(args.init, "float32", mesh, seed=tcfg.seed)
+        if lead:
+            (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     else:
         cfg = LingConfig.from_hf(out / "config.json")
         params = None
@@ -112,7 +120,9 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
 
     data_state = None
     if resume is None:
-        state = jax.jit(functools.partial(init_state, cfg, tcfg, optimizer))(params)
+        # donated: the state's masters take the params' buffers (no second fp32 copy of the model)
+        state = jax.jit(functools.partial(init_state, cfg, tcfg, optimizer), donate_argnums=0)(params)
+        del params
         start = 0
     else:
         shard = default_sharding(cfg, mesh)
@@ -124,6 +134,8 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         state = jax.jit(functools.partial(with_compute_copy, cfg, tcfg), donate_argnums=0)(state)
         start = int(meta["iteration"])
         print(f"resuming {out} at step {start}")
+        if lead:
+            _truncate_metrics(out / "metrics.jsonl", start)
     if start >= tcfg.steps:
         print(f"{out}: already at step {start} >= --steps {tcfg.steps}; nothing to do")
         ckpts.close()
@@ -133,7 +145,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     step_fn = jax.jit(make_train_step(cfg, tcfg, optimizer), donate_argnums=0)
     flops_tok = train_flops_per_token(cfg, tcfg.seq_len, mtp=mtp_weight(cfg, tcfg) > 0)
     peak = peak_flops_per_device(tcfg.peak_tflops)
-    n_dev = len(jax.devices()) if mesh is None else mesh.size
+    n_dev = 1 if mesh is None else mesh.size  # the devices the steps run on
     meta = {"train_config": tcfg.to_json(), "model": cfg.to_hf()}
 
     def put(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -146,6 +158,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
 
     def save(it: int) -> None:
         ckpts.save(it, checkpointed(state), batches.state(), {**meta, "iteration": it})
+        clock["free"] = time.perf_counter()  # the next step's time starts after the write
 
     def report(it: int, m: dict[str, Any], dt: float) -> None:
         tok_s = float(m["tokens_total"]) / dt if dt > 0 else 0.0
@@ -155,6 +168,8 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
                 "mfu": None if peak is None else flops_tok * tok_s / (peak * n_dev),
                 "moe_max_load_mean": float(np.mean(m["max_load"])) if m["max_load"].size else None,
                 "moe_max_load_per_layer": [round(float(x), 3) for x in m["max_load"]]}
+        if not lead:
+            return
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         if it % tcfg.log_every == 0 or it == tcfg.steps:
@@ -163,40 +178,93 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
                   f"{tok_s:,.0f} tok/s{mfu} | moe max/mean load {line['moe_max_load_mean'] or 0:.2f}"
                   + ("" if line["finite"] else " | NON-FINITE: update skipped"), flush=True)
 
-    pending: tuple[int, Any, float] | None = None
+    pending: tuple[int, Any, float] | None = None  # (step, its metrics on device, its dispatch time)
+    clock = {"free": time.perf_counter()}  # when the device last became free of our work (a step, a save)
     bad = 0
+
+    def flush() -> None:
+        """Reads and reports the pending step: its time runs from its dispatch (or the end of the
+        step or save before it, whichever is later) to its metrics' arrival."""
+        nonlocal pending, bad
+        if pending is None:
+            return
+        p_it, p_m, p_t0 = pending
+        p_m = jax.device_get(p_m)
+        done = time.perf_counter()
+        report(p_it, p_m, done - max(p_t0, clock["free"]))
+        clock["free"] = done
+        bad = 0 if p_m["finite"] else bad + 1
+        pending = None
+
+    stop = _StopOnSigterm()
     it = start
     # under the mesh, the MoE layers dispatch experts across the `expert` axis (layers/moe.py)
-    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh), stop:
         try:
-            while it < tcfg.steps:
+            while it < tcfg.steps and not stop.requested:
                 batch = put(next(batches))
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 it += 1
                 metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
-                if pending is not None:  # read the previous step's metrics while this one runs
-                    p_it, p_m, p_t0 = pending
-                    p_m = jax.device_get(p_m)
-                    report(p_it, p_m, t0 - p_t0)
-                    bad = 0 if p_m["finite"] else bad + 1
+                flush()  # the previous step's metrics, read while this one runs
                 pending = (it, metrics, t0)
-                if bad >= tcfg.max_bad_steps:
+                if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
+                    flush()
+                    save(it)
+                if bad >= tcfg.max_bad_steps:  # (a non-finite step leaves the state as it was)
                     print(f"ling-train: stopping after {bad} consecutive non-finite steps", file=sys.stderr)
                     break
-                if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
-                    save(it)
-            if pending is not None:
-                p_it, p_m, p_t0 = pending
-                p_m = jax.device_get(p_m)
-                report(p_it, p_m, time.perf_counter() - p_t0)
-                bad = 0 if p_m["finite"] else bad + 1
+            flush()
         finally:
-            save(it)
+            if it > start:  # else nothing moved (e.g. interrupted while compiling the first step)
+                with contextlib.suppress(Exception):
+                    flush()  # an interrupted run still reports its last step
+                save(it)
             ckpts.wait()
             ckpts.close()
+    if stop.requested and it < tcfg.steps:
+        print(f"ling-train: SIGTERM: stopped at step {it}, checkpoint saved", file=sys.stderr)
+        return 143
     print(f"saved {out / 'checkpoints'} at step {it}")
     return 1 if bad >= tcfg.max_bad_steps else 0
+
+
+class _StopOnSigterm:
+    """While entered, SIGTERM sets `requested` (the loop then stops and saves) instead of killing."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: Any = None
+
+    def __enter__(self) -> _StopOnSigterm:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drops the metric lines of steps after `step` (written by a run that stopped past its last
+    checkpoint), so a resumed run's file has each step once."""
+    if not path.is_file():
+        return
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill
+            return False
+
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if kept(ln)]
+    if len(keep) != len(lines):
+        path.write_text("".join(line if line.endswith("\n") else line + "\n" for line in keep))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import optax
 from ling_jax.config import LingConfig
 from ling_jax.model import forward_hidden
 from ling_jax.params import Params, build_tree, get_path
-from train.config import TrainConfig
+from train.config import TrainConfig, mtp_weight
 from train.data import IGNORE
 from train.loss import cross_entropy_sum
 from train.optim import learning_rate
@@ -71,10 +71,11 @@ def _compute_params(state: dict[str, Any], cfg: LingConfig, tcfg: TrainConfig) -
 
 
 def clip_by_norm(grads: Params, norm: jax.Array, max_norm: float) -> Params:
-    """Float32 grads scaled to global norm `max_norm` when `norm` (theirs) exceeds it (optax's rule)."""
+    """Float32 grads scaled to global norm `max_norm` when `norm` (theirs) exceeds it (optax's rule);
+    `max_norm` 0: unclipped."""
     def clip(g: jax.Array) -> jax.Array:
         g = g.astype(jnp.float32)
-        return jnp.where(norm < max_norm, g, g / norm * max_norm)
+        return g if max_norm == 0 else jnp.where(norm < max_norm, g, g / norm * max_norm)
     return jax.tree.map(clip, grads)
 
 
@@ -82,11 +83,6 @@ def mtp_labels(labels_BT: jax.Array) -> jax.Array:
     """Targets two tokens ahead (MTP position t predicts token t+2), masked across documents."""
     nxt = jnp.concatenate([labels_BT[:, 1:], jnp.full_like(labels_BT[:, :1], IGNORE)], axis=1)
     return jnp.where(labels_BT == IGNORE, IGNORE, nxt)
-
-
-def mtp_weight(cfg: LingConfig, tcfg: TrainConfig) -> float:
-    w = cfg.mtp_loss_scaling_factor if tcfg.mtp_loss_weight is None else tcfg.mtp_loss_weight
-    return float(w) if cfg.num_nextn_predict_layers > 0 else 0.0
 
 
 def loss_terms(cfg: LingConfig, tcfg: TrainConfig, params: Params, batch: dict[str, jax.Array]
