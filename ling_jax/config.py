@@ -310,6 +310,9 @@ class LingConfig:
             d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
         else:
             d.pop("eos_token_id", None)
+        for key in ("rope_scaling", "rope_parameters"):  # a v5 base kept there follows ours
+            if isinstance(d.get(key), dict) and d[key].get("rope_theta") is not None:
+                d[key] = {**d[key], "rope_theta": self.rope_theta}
         d["architectures"] = [ARCHITECTURE]
         d.setdefault("model_type", "bailing_hybrid")
         d["qk_head_dim"] = self.qk_head_dim
@@ -319,10 +322,16 @@ class LingConfig:
             d.pop("quantization_config", None)
         return d
 
+    @property
+    def _any_moe(self) -> bool:
+        """Whether any layer, the MTP layers included, is MoE (then the MoE fields are read)."""
+        mtp = self.num_nextn_predict_layers
+        return self.uses_moe or (self.num_experts is not None and _int(mtp) and mtp > 0)
+
     def _unused_fields(self) -> set[str]:
         """Fields this config never reads (its MoE sizes without MoE layers, ...): they may be null."""
         unused = set()
-        if self.num_experts is None or self.first_k_dense_replace >= self.num_hidden_layers:
+        if not self._any_moe:
             unused |= set(MOE_FIELDS)
         if not self.num_shared_experts:
             unused.add("moe_shared_expert_intermediate_size")
@@ -347,6 +356,10 @@ class LingConfig:
                     unused = self._unused_fields() if unused is None else unused
                     if f.name in unused:
                         continue
+            if kind == "int" and isinstance(v, float) and v.is_integer():  # 32768.0: an int
+                object.__setattr__(self, f.name, v := int(v))
+            if kind == "bool" and _int(v) and v in (0, 1):
+                object.__setattr__(self, f.name, v := bool(v))
             if not _SCALAR_KINDS[kind][0](v):
                 raise ConfigError(f"{f.name}={v!r}: must be {_SCALAR_KINDS[kind][1]}"
                                   + (" or null" if "None" in kinds else ""))
@@ -404,7 +417,7 @@ class LingConfig:
                 for name, least in widths:
                     need(self._pallas_width(name, least), name,
                          f"must be a power of two >= {least} for decode_impl='pallas'")
-        if self.uses_moe:
+        if self._any_moe:
             e = self.num_experts
             need(e is not None and e > 0, "num_experts", "must be positive")
             need(self.n_group > 0 and e % self.n_group == 0, "n_group",

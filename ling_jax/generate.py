@@ -218,6 +218,9 @@ def _token_ids(p: Any, what: str, vocab_size: int) -> np.ndarray:
         bad = [t for t in p if not _is_int(t)]
         if bad:
             raise ValueError(f"{what}: token id {bad[0]!r} is not an integer")
+        outside = [t for t in p if not 0 <= t < vocab_size]  # before numpy, which overflows past 64 bits
+        if outside:
+            raise ValueError(f"{what} has token id {outside[0]} outside [0, vocab_size={vocab_size})")
         arr = np.asarray(p, np.int64)
     if arr.ndim != 1:
         raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
@@ -271,6 +274,7 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    max_new_tokens, top_k = int(max_new_tokens), int(top_k)  # numpy scalars as Python ints
     seeds = [seed] * len(prompts) if _is_int(seed) else list(seed) if isinstance(seed, Sequence) else None
     if seeds is None or len(seeds) != len(prompts) or not all(_is_int(s) and -2**63 <= s < 2**64 for s in seeds):
         raise ValueError(f"seed={seed!r} must be a 64-bit integer or a sequence of one per prompt")

@@ -127,6 +127,20 @@ def test_rope_parameters_of_transformers_v5():
         LingConfig.from_hf({**base, "rope_theta": 5, "rope_parameters": {"rope_theta": 1e4}})
     with pytest.raises(ConfigError, match="rope_parameters"):
         LingConfig.from_hf({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    moved = LingConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4}}, rope_theta=5e4)
+    assert LingConfig.from_hf(moved.to_hf()) == moved  # the written file agrees with itself
+
+
+def test_integral_floats_and_mtp_moe_fields():
+    """32768.0 is an int field's 32768; the MTP layer (MoE whenever num_experts is set) reads the
+    MoE fields even when every main layer is dense."""
+    base = _golden_dict()
+    assert LingConfig.from_hf({**base, "max_position_embeddings": 32768.0}).max_position_embeddings == 32768
+    dense_main = {**base, "first_k_dense_replace": base["num_hidden_layers"]}
+    with pytest.raises(ConfigError, match="moe_intermediate_size=None"):
+        LingConfig.from_hf({**dense_main, "moe_intermediate_size": None})
+    with pytest.raises(ConfigError, match="topk_group"):
+        LingConfig.from_hf({**dense_main, "topk_group": 99})
 
 
 def test_missing_config_file(tmp_path):

@@ -110,7 +110,8 @@ def test_decode_loop_does_not_copy_the_latent_cache(debug_model):
     latent_shapes = {tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(cache)
                      if "latent" in jax.tree_util.keystr(path)}
     assert latent_shapes
-    args = (cfg, params, cache, jnp.zeros((2, cfg.vocab_size), jnp.float32), 4, jax.random.key(0), jnp.float32(0),
+    args = (cfg, params, cache, jnp.zeros((2, cfg.vocab_size), jnp.float32), 4,
+            jax.random.split(jax.random.key(0), 2), jnp.float32(0),
             jnp.int32(0), jnp.float32(1), jnp.asarray([-2], jnp.int32))
     hlo = decode_loop.lower(*args).compile().as_text()
     copied = [line for line in hlo.splitlines() if " copy(" in line
@@ -310,6 +311,10 @@ def test_bad_input(debug_model):
         generate(cfg, params, [[1] * 2000], max_new_tokens=100)
     with pytest.raises(ValueError, match="prompts is empty"):
         generate(cfg, params, [], max_new_tokens=2)
+    with pytest.raises(ValueError, match=f"token id {2**70} outside"):
+        generate(cfg, params, [[1, 2**70]], max_new_tokens=2)
+    assert generate(cfg, params, [[5, 6]], max_new_tokens=np.int64(2), top_k=np.int32(3)) == generate(
+        cfg, params, [[5, 6]], max_new_tokens=2, top_k=3)
     with pytest.raises(ValueError, match="token id 2.7 is not an integer"):
         generate(cfg, params, [[1, 2.7]], max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt 0: token ids must be integers"):

@@ -208,6 +208,10 @@ def test_data_position_must_belong_to_the_corpus():
         PackedBatches(toks, seq_len=32, batch_size=4, eos_id=1, state=state)
     with pytest.raises(DataError, match="seed 0 -> 1"):
         PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1, seed=1, state=state)
+    old = {"epoch": state["epoch"], "index": state["index"]}  # written before the position named its corpus
+    assert PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1, state=old).state() == state
+    with pytest.raises(DataError, match="window 1000 of"):
+        PackedBatches(toks, seq_len=16, batch_size=4, eos_id=1, state={"epoch": 0, "index": 1000})
 
 
 def test_resumed_metrics_drop_the_steps_after_the_checkpoint(tmp_path):
@@ -227,7 +231,7 @@ def test_sigterm_saves_and_resumes(tmp_path):
     corpus(200).tofile(data)
     cfg_file = tmp_path / "train.json"
     cfg_file.write_text(json.dumps({**TCFG, "checkpoint_every": 100}))
-    run = _train_cli(tmp_path / "r", 40, data, cfg_file)
+    run = _train_cli(tmp_path / "r", 1000, data, cfg_file)  # stopped long before the end
     metrics, deadline = tmp_path / "r" / "metrics.jsonl", time.time() + 900
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert run.poll() is None and time.time() < deadline, run.communicate()[0]
@@ -236,7 +240,7 @@ def test_sigterm_saves_and_resumes(tmp_path):
     log = run.communicate(timeout=600)[0]
     assert run.returncode == 143 and "SIGTERM: stopped at step" in log, log
     stopped = int(re.search(r"SIGTERM: stopped at step (\d+)", log).group(1))
-    assert 2 <= stopped < 40 and (tmp_path / "r" / "checkpoints" / str(stopped)).is_dir()
+    assert 2 <= stopped < 1000 and (tmp_path / "r" / "checkpoints" / str(stopped)).is_dir()
     assert sorted(_losses(tmp_path / "r")) == list(range(1, stopped + 1))
     resumed = _train_cli(tmp_path / "r", stopped + 2, data, cfg_file)
     log = resumed.communicate(timeout=900)[0]

@@ -6,7 +6,7 @@
 `--steps N` is the total: if `--out` already holds a checkpoint the run resumes from it and
 continues up to N (a run of 20 steps then the same command with `--steps 40` equals one run of
 40). A checkpoint is written when a run ends after any step: at `--steps`, on an error, on Ctrl-C
-or on SIGTERM (a scheduler's preemption; the run then exits 143). Every step appends one JSON line
+or on SIGTERM (a scheduler's preemption, in a single-process run; it then exits 143). Every step appends one JSON line
 to `<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...; a resumed
 run first drops the lines after its checkpoint) and prints a progress line; metrics are read one
 step late so the device never waits for the host, and a step's time excludes checkpoint writes.
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         return distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh, shape[0])
 
     def save(it: int) -> None:
-        ckpts.save(it, checkpointed(state), batches.state(), {**meta, "iteration": it})
+        ckpts.save(it, checkpointed(state), data_pos, {**meta, "iteration": it})
         clock["free"] = time.perf_counter()  # the next step's time starts after the write
 
     def report(it: int, m: dict[str, Any], dt: float) -> None:
@@ -196,8 +196,10 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         bad = 0 if p_m["finite"] else bad + 1
         pending = None
 
-    stop = _StopOnSigterm()
+    stop = _StopOnSigterm(enabled=jax.process_count() == 1)
     it = start
+    data_pos = batches.state()  # the data position after the steps taken so far
+    gave_up = finished = False
     # under the mesh, the MoE layers dispatch experts across the `expert` axis (layers/moe.py)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh), stop:
         try:
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 it += 1
+                data_pos = batches.state()
                 metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
                 flush()  # the previous step's metrics, read while this one runs
                 pending = (it, metrics, t0)
@@ -213,32 +216,48 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
                     flush()
                     save(it)
                 if bad >= tcfg.max_bad_steps:  # (a non-finite step leaves the state as it was)
+                    gave_up = True
                     print(f"ling-train: stopping after {bad} consecutive non-finite steps", file=sys.stderr)
                     break
             flush()
+            finished = True
         finally:
-            if it > start:  # else nothing moved (e.g. interrupted while compiling the first step)
+            saved = it > start  # else nothing moved (e.g. interrupted while compiling the first step)
+            if saved and finished:
+                save(it)
+            elif saved:  # an error or Ctrl-C: keep what the last step made, if it still exists
                 with contextlib.suppress(Exception):
                     flush()  # an interrupted run still reports its last step
-                save(it)
+                try:
+                    save(it)
+                except Exception as e:  # e.g. the state's buffers were donated to the interrupted step
+                    saved = False
+                    print(f"ling-train: no checkpoint at step {it} ({type(e).__name__}: {e}); the last saved "
+                          "one stands", file=sys.stderr)
             ckpts.wait()
             ckpts.close()
     if stop.requested and it < tcfg.steps:
-        print(f"ling-train: SIGTERM: stopped at step {it}, checkpoint saved", file=sys.stderr)
+        print(f"ling-train: SIGTERM: stopped at step {it}, "
+              + ("checkpoint saved" if saved else "before any step: nothing to save"), file=sys.stderr)
         return 143
     print(f"saved {out / 'checkpoints'} at step {it}")
-    return 1 if bad >= tcfg.max_bad_steps else 0
+    return 1 if gave_up or bad >= tcfg.max_bad_steps else 0
 
 
 class _StopOnSigterm:
-    """While entered, SIGTERM sets `requested` (the loop then stops and saves) instead of killing."""
+    """While entered, SIGTERM sets `requested` (the loop then stops and saves) instead of killing.
 
-    def __init__(self) -> None:
+    `enabled` False (a multi-process job: processes stopping at different steps would deadlock in
+    the save's collectives) leaves SIGTERM as it is; such a job resumes from its last periodic
+    checkpoint."""
+
+    def __init__(self, enabled: bool = True) -> None:
         self.requested = False
+        self.enabled = enabled
         self._old: Any = None
 
     def __enter__(self) -> _StopOnSigterm:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGTERM, self._handle)
         return self
 
