@@ -62,7 +62,7 @@ class QuantConfig:
         if fmt != "e4m3":
             raise ConfigError(f"quantization_config.fmt={fmt!r}: only 'e4m3' is supported")
         block = d.get("weight_block_size") or [128, 128]
-        if not isinstance(block, list | tuple) or len(block) != 2 or not all(_int(b) and b > 0 for b in block):
+        if not isinstance(block, list | tuple) or len(block) != 2 or not all(is_int(b) and b > 0 for b in block):
             raise ConfigError(f"quantization_config.weight_block_size={block!r} must be [rows, cols]")
         excl: list[str] = []
         for key in ("modules_to_not_convert", "ignore", "ignored_layers"):
@@ -128,17 +128,28 @@ def _tuple_or_none(v: Any) -> tuple | None:
     return None if v is None else tuple(v)
 
 
-def _int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int and not a bool (JSON's integers)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 # what a scalar field's declared type admits: (test, description for the error)
 _SCALAR_KINDS: dict[str, tuple[Any, str]] = {
-    "int": (_int, "an integer"),
-    "float": (lambda v: _int(v) or isinstance(v, float), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (is_int, "int (an integer)"),
+    "float": (lambda v: is_int(v) or isinstance(v, float), "float (a number)"),
+    "bool": (lambda v: isinstance(v, bool), "bool (true or false)"),
+    "str": (lambda v: isinstance(v, str), "str (a string)"),
 }
+
+
+def kind_error(name: str, annotation: str, v: Any) -> str | None:
+    """Why field `name` = `v` is not of the scalar kind its dataclass annotation declares ("int",
+    "float | None", ...), or None (also for annotations that are not scalar kinds)."""
+    kinds = annotation.split(" | ")
+    test, what = _SCALAR_KINDS.get(kinds[0], (None, ""))
+    if test is None or (v is None and "None" in kinds) or test(v):
+        return None
+    return f"{name}={v!r}: must be {what}" + (" or null" if "None" in kinds else "")
 # read only when the model has MoE layers
 MOE_FIELDS = ("moe_intermediate_size", "moe_shared_expert_intermediate_size", "num_experts_per_tok",
               "num_shared_experts", "n_group", "topk_group", "routed_scaling_factor")
@@ -284,7 +295,7 @@ class LingConfig:
         kw["hf_json"] = json.dumps(d, sort_keys=True)
         kw.update(options)
         nope, rope = d.get("qk_nope_head_dim", cls.qk_nope_head_dim), d.get("qk_rope_head_dim", cls.qk_rope_head_dim)
-        if d.get("qk_head_dim") is not None and _int(nope) and _int(rope) and d["qk_head_dim"] != nope + rope:
+        if d.get("qk_head_dim") is not None and is_int(nope) and is_int(rope) and d["qk_head_dim"] != nope + rope:
             raise ConfigError(f"qk_head_dim={d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
         return cls(**kw)
 
@@ -326,7 +337,7 @@ class LingConfig:
     def _any_moe(self) -> bool:
         """Whether any layer, the MTP layers included, is MoE (then the MoE fields are read)."""
         mtp = self.num_nextn_predict_layers
-        return self.uses_moe or (self.num_experts is not None and _int(mtp) and mtp > 0)
+        return self.uses_moe or (self.num_experts is not None and is_int(mtp) and mtp > 0)
 
     def _unused_fields(self) -> set[str]:
         """Fields this config never reads (its MoE sizes without MoE layers, ...): they may be null."""
@@ -342,27 +353,17 @@ class LingConfig:
     def _check_types(self) -> None:
         """ConfigError naming the first field whose value is not of its declared kind (a JSON null or
         string where a number belongs...); fields the config never reads may be null."""
-        unused: set[str] | None = None
         for f in dataclasses.fields(self):
-            kinds = str(f.type).split(" | ")
-            kind = kinds[0]
-            if kind not in _SCALAR_KINDS:
+            kind, v = str(f.type), getattr(self, f.name)
+            if v is None and f.name in self._unused_fields():
                 continue
-            v = getattr(self, f.name)
-            if v is None:
-                if "None" in kinds:
-                    continue
-                if f.name in MOE_FIELDS or f.name in ("intermediate_size", "moe_shared_expert_intermediate_size"):
-                    unused = self._unused_fields() if unused is None else unused
-                    if f.name in unused:
-                        continue
             if kind == "int" and isinstance(v, float) and v.is_integer():  # 32768.0: an int
                 object.__setattr__(self, f.name, v := int(v))
-            if kind == "bool" and _int(v) and v in (0, 1):
+            if kind == "bool" and is_int(v) and v in (0, 1):
                 object.__setattr__(self, f.name, v := bool(v))
-            if not _SCALAR_KINDS[kind][0](v):
-                raise ConfigError(f"{f.name}={v!r}: must be {_SCALAR_KINDS[kind][1]}"
-                                  + (" or null" if "None" in kinds else ""))
+            why = kind_error(f.name, kind, v)
+            if why:
+                raise ConfigError(why)
 
     def __post_init__(self) -> None:
         for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "eos_token_id"):
@@ -372,13 +373,13 @@ class LingConfig:
         eos = self.eos_token_id  # HF writes one id as a plain int
         if eos is None or isinstance(eos, int):
             object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_id):
+        if not all(map(is_int, self.eos_token_id)):
             raise ConfigError(f"eos_token_id={self.eos_token_id!r}: must be a token id or a list of them")
         # the fields the schedule reads first, then every scalar field's kind
         for f in ("num_hidden_layers", "first_k_dense_replace"):
-            v = getattr(self, f)
-            if not (isinstance(v, int) and not isinstance(v, bool)):
-                raise ConfigError(f"{f}={v!r}: must be an integer")
+            why = kind_error(f, "int", getattr(self, f))
+            if why:
+                raise ConfigError(why)
         self._check_types()
 
         def need(ok: bool, field: str, why: str) -> None:

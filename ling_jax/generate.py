@@ -212,22 +212,20 @@ def _token_ids(p: Any, what: str, vocab_size: int) -> np.ndarray:
         arr = np.asarray(p)
         if arr.dtype.kind not in "iu":
             raise ValueError(f"{what}: token ids must be integers, got an array of {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+        ids = arr.tolist()
     else:
         if isinstance(p, str | bytes) or not isinstance(p, Sequence):
             raise ValueError(f"{what}: expected a sequence of token ids, got {type(p).__name__}")
         bad = [t for t in p if not _is_int(t)]
         if bad:
             raise ValueError(f"{what}: token id {bad[0]!r} is not an integer")
-        outside = [t for t in p if not 0 <= t < vocab_size]  # before numpy, which overflows past 64 bits
-        if outside:
-            raise ValueError(f"{what} has token id {outside[0]} outside [0, vocab_size={vocab_size})")
-        arr = np.asarray(p, np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
-    outside = arr[(arr < 0) | (arr >= vocab_size)]
-    if outside.size:
+        ids = list(p)
+    outside = [t for t in ids if not 0 <= t < vocab_size]  # in Python: numpy overflows past 64 bits
+    if outside:
         raise ValueError(f"{what} has token id {outside[0]} outside [0, vocab_size={vocab_size})")
-    return arr.astype(np.int32)
+    return np.asarray(ids, np.int32)
 
 
 def _row_keys(seeds: Sequence[int], rows: Sequence[np.ndarray]) -> jax.Array:

@@ -110,9 +110,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def _layer_counts(cfg: LingConfig) -> dict[str, int]:
+def _layer_counts(cfg: LingConfig, mtp: bool = True) -> dict[str, int]:
+    """Layers by mixer and FFN kind (`mtp`: the MTP layers included)."""
     kinds = list(cfg.layer_kinds) + [("mla", cfg.ffn_of(cfg.num_hidden_layers + j))
-                                     for j in range(cfg.num_nextn_predict_layers)]
+                                     for j in range(cfg.num_nextn_predict_layers if mtp else 0)]
     return {"kda": sum(m == "kda" for m, _ in kinds), "mla": sum(m == "mla" for m, _ in kinds),
             "moe": sum(f == "moe" for _, f in kinds), "dense": sum(f == "dense" for _, f in kinds),
             "layers": len(kinds)}
@@ -203,7 +204,7 @@ def plan_inference(cfg: LingConfig, mesh: Mapping[str, int], *, batch: int, cont
         one_layer = _largest_layer(cfg, sizes, lambda s: 2.0 if fp8(s) < 2.0 else 0.0)
         plan.add("one layer dequantized", one_layer, "bf16 copy of the largest layer's FP8 weights, split like them")
     # the caches `generate` allocates: the main layers' (decoding does not run the MTP layer)
-    n = {m: sum(k == m for k, _ in cfg.layer_kinds) for m in ("kda", "mla")}
+    n = _layer_counts(cfg, mtp=False)
     h, dh, p, w = cfg.num_attention_heads, cfg.head_dim, cfg.kda_dim, cfg.short_conv_kernel_size
     state = math.prod((batch, h, dh, dh)) * 4 / shards(tuple(spec("kda_state", (batch, h, dh, dh), sizes)), sizes)
     conv = math.prod((batch, w - 1, 3 * p)) * 2 / shards(tuple(spec("kda_conv", (batch, w - 1, 3 * p), sizes)), sizes)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ling_jax.config import LingConfig
+from ling_jax.config import LingConfig, is_int, kind_error
 from ling_jax.model import REMAT_POLICIES
 from ling_jax.sharding import AXES
 from train.loss import LOGITS_DTYPES
@@ -78,13 +78,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
-            v, kind = getattr(self, f.name), str(f.type)
-            if v is None and "None" in kind:
-                continue
-            ok = {"int": _int(v), "float": _int(v) or isinstance(v, float), "bool": isinstance(v, bool),
-                  "str": isinstance(v, str)}.get(kind.split(" | ")[0], True)
-            if not ok:
-                raise ValueError(f"{f.name}={v!r}: must be {kind.split(' | ')[0]}")
+            why = kind_error(f.name, str(f.type), getattr(self, f.name))
+            if why:
+                raise ValueError(why)
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "checkpoint_every", "keep_checkpoints",
                      "max_bad_steps", "log_every"):
             if getattr(self, name) < 1:
@@ -106,7 +102,8 @@ class TrainConfig:
             raise ValueError(f"peak_tflops={self.peak_tflops} must be positive (or null: from the device kind)")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} must be one of {COMPUTE_DTYPES}")
-        if not isinstance(self.mesh, dict) or any(a not in AXES or not _int(n) or n < 1 for a, n in self.mesh.items()):
+        mesh = self.mesh
+        if not isinstance(mesh, dict) or any(a not in AXES or not is_int(n) or n < 1 for a, n in mesh.items()):
             raise ValueError(f"mesh={self.mesh!r} must map axes of {AXES} to sizes >= 1")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
@@ -121,10 +118,6 @@ class TrainConfig:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def mtp_weight(cfg: LingConfig, tcfg: TrainConfig) -> float:

@@ -181,6 +181,14 @@ def _read_log(path: Path) -> dict[str, tuple[int, int]]:
     return done
 
 
+def _same_job(state: Path, fingerprint: dict[str, Any]) -> bool:
+    """Whether the conversion state directory `state` was written by this exact job."""
+    try:
+        return json.loads((state / "state.json").read_text()) == fingerprint
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def _prepare_partial(tmp: Path, fingerprint: dict[str, Any], log: Callable[[str], None]) -> Any:
     """Creates or reopens `<out>.partial` for this exact job, under an exclusive lock; returns the lock.
 
@@ -194,11 +202,7 @@ def _prepare_partial(tmp: Path, fingerprint: dict[str, Any], log: Callable[[str]
     except BlockingIOError:
         lock.close()
         raise CheckpointError(f"{tmp} is being written by another ling-convert") from None
-    try:
-        same = json.loads((state / "state.json").read_text()) == fingerprint
-    except (OSError, json.JSONDecodeError):
-        same = False
-    if not same:
+    if not _same_job(state, fingerprint):
         stale = [f for f in (*tmp.iterdir(), *state.iterdir()) if f not in (state, state / "lock")]
         if stale:
             log(f"discarding the contents of {tmp}: an earlier conversion of other inputs or options")
@@ -240,11 +244,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     src.validate(param_slots(cfg))
     fingerprint = _fingerprint(hf, src, dtype, compress, chunk_bytes)
     if committed:
-        try:
-            same = json.loads((out / CONVERT_STATE / "state.json").read_text()) == fingerprint
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if not same:
+        if not _same_job(out / CONVERT_STATE, fingerprint):
             raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
         shutil.rmtree(out / CONVERT_STATE)
         say(f"{out} was committed by an interrupted run of this conversion; removed its leftover state")

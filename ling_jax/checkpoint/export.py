@@ -209,7 +209,7 @@ def write_hf_checkpoint(cfg: LingConfig, source: ElementSource, out_dir: str | P
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
-    if quantization is not None and quantization.scale_fmt not in (None, "ue8m0"):
+    if quantization is not None and quantization.scale_fmt not in fp8.SCALE_FMTS:
         raise ConfigError(f"quantization_config.scale_fmt={quantization.scale_fmt!r}: only null or 'ue8m0' can "
                           "be written")
     groups = _plan(cfg, source, dtype=dtype, quant=quantization)

@@ -57,12 +57,15 @@ def dequantize(wq: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.
     return w
 
 
+SCALE_FMTS = (None, "ue8m0")  # quantization_config.scale_fmt values `quantize` writes
+
+
 def quantize(w: np.ndarray, block: tuple[int, int], scale_fmt: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(FP8 weight, float32 block scales) with scale = amax(block) / 448, round to nearest even.
 
     `scale_fmt="ue8m0"` (ARCHITECTURE.md §4): each scale rounded up to a power of two, so the block
     still fits in ±448."""
-    if scale_fmt not in (None, "ue8m0"):
+    if scale_fmt not in SCALE_FMTS:
         raise ValueError(f"scale_fmt={scale_fmt!r}: only null or 'ue8m0' is known")
     w32 = np.asarray(w, np.float32)
     n, k = w32.shape
