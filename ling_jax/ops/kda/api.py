@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
@@ -87,25 +89,22 @@ def kimi_delta_attention(
     g: [B, T, H, K] log decay <= 0, or, when `a_log` is given, the gate pre-activation from which
     the gate `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))` is computed; beta: [B, T, H];
     initial_state: [B, H, K, V] float32; segment_ids: [B, T] int, the state restarts from zero
-    where the id changes (packed documents).
+    where the id changes (packed documents). `scale` and `lower_bound` are static numbers (kernel
+    constants); a_log holds H values and dt_bias H * K. T may be 0 (the state passes through) and g
+    may reach -inf (a decay to zero). Every argument is checked, with an error naming it.
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
     The Pallas kernels may run at a chunk dividing `chunk_size` (`kernel_chunk`: 32 on a GPU).
     """
-    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
-    if v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H]; got {v.shape}, {beta.shape}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size} must be positive")
-    if a_log is not None and dt_bias is None:
-        raise ValueError("a_log given without dt_bias")
+    scale, lower_bound, a_log, dt_bias = _checked(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids,
+                                                  a_log, dt_bias, lower_bound)
+    if q.shape[1] == 0:  # no tokens: the state passes through
+        return _empty(q, v, initial_state, return_chunk_states)
     safe = pallas_safe_gate(a_log is not None, lower_bound)
     supported = supports(chunk_size, q.shape[-1], v.shape[-1])
     # a gate not bounded by construction: the kernels where the data allows, else the chunked path
     checked = impl == "auto" and not safe and supported and on_accelerator()
     impl = resolve_impl(impl, safe, supported)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if checked:
         opts = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size, segment_ids=segment_ids,
                     return_chunk_states=return_chunk_states, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
@@ -136,3 +135,56 @@ def kimi_delta_attention(
     if return_chunk_states and run_chunk != chunk_size:  # [B, NT_run, ...] -> the states entering each chunk
         outs = (*outs[:2], outs[2][:, :: chunk_size // run_chunk])
     return outs
+
+
+def _static_number(name: str, x: object) -> float:
+    """x as a Python float: `scale` and `lower_bound` are constants of the kernels (and of the gate's
+    range check), so every implementation refuses traced values alike."""
+    try:
+        return float(x)
+    except (TypeError, ValueError) as e:  # a jax ConcretizationTypeError is a TypeError
+        got = "a traced value (keep it out of jit's arguments)" if isinstance(e, jax.errors.ConcretizationTypeError) \
+            else type(x).__name__
+        raise ValueError(f"{name} must be a static number (a Python float), got {got}") from None
+
+
+def _checked(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids, a_log, dt_bias, lower_bound):
+    """Every argument of `kimi_delta_attention` checked against q's [B, T, H, K] and v's V, with a
+    message naming it (no implementation silently broadcasts, truncates or ignores one). Returns the
+    scale (default K**-0.5) and lower bound as floats, a_log as [H] and dt_bias as [H * K]."""
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, {g.shape}")
+    b, t, h, dk = q.shape
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] and beta [B, T, H]; got {v.shape}, {beta.shape}")
+    dv = v.shape[-1]
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    if initial_state is not None and (tuple(initial_state.shape) != (b, h, dk, dv)
+                                      or not jnp.issubdtype(initial_state.dtype, jnp.floating)):
+        raise ValueError(f"initial_state must be a float [B, H, K, V] = {[b, h, dk, dv]} array; got "
+                         f"{initial_state.dtype}{list(initial_state.shape)}")
+    if segment_ids is not None and (tuple(segment_ids.shape) != (b, t)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be an int [B, T] = {[b, t]} array; got "
+                         f"{segment_ids.dtype}{list(segment_ids.shape)}")
+    if (a_log is None) != (dt_bias is None):
+        raise ValueError("a_log and dt_bias come together (the fused gate); got only "
+                         f"{'a_log' if dt_bias is None else 'dt_bias'}")
+    if a_log is not None:
+        if a_log.size != h or dt_bias.size != h * dk:
+            raise ValueError(f"a_log must hold H = {h} values and dt_bias H * K = {h * dk}; got shapes "
+                             f"{list(a_log.shape)}, {list(dt_bias.shape)}")
+        a_log, dt_bias = a_log.reshape(h), dt_bias.reshape(h * dk)
+    scale = dk**-0.5 if scale is None else _static_number("scale", scale)
+    lower_bound = None if lower_bound is None else _static_number("lower_bound", lower_bound)
+    return scale, lower_bound, a_log, dt_bias
+
+
+def _empty(q: jax.Array, v: jax.Array, initial_state: jax.Array | None, chunk_states: bool) -> tuple[jax.Array, ...]:
+    """The outputs for T = 0: no o rows, the initial state (or zeros) as the final state."""
+    b, _, h, dk = q.shape
+    dv = v.shape[-1]
+    state = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    o = jnp.zeros((b, 0, h, dv), v.dtype)
+    return (o, state, jnp.zeros((b, 0, h, dk, dv), jnp.float32)) if chunk_states else (o, state)

@@ -26,7 +26,7 @@ sub-chunks), and every exponent is built from sums of g over exactly the tokens 
   * off-diagonal blocks (j in b < a, i in a): Γ_i - Γ_j = gl_i + P[a, b] + rl_j, factorised around
     the boundary before sub-chunk a as (q_i ⊙ e^gl_i)·(k_j ⊙ e^(rl_j + P[a, b])): one batched matmul
     whose two factors are both ≤ 1, so no overflow for any g ≤ 0 (a strong decay only underflows,
-    towards the true value 0);
+    towards the true value 0; g = -inf is taken as `G_FLOOR`);
   * diagonal blocks (i, j in one sub-chunk): the pairwise partial sums D[i, j] = Σ_{j < t ≤ i} g_t
     (a masked sum), then exp, as a [s, s, K] tensor per sub-chunk (C·s·K per chunk, a quarter of
     the full pairwise [C, C, K]);
@@ -64,6 +64,10 @@ import numpy as np
 from ling_jax.ops.kda.reference import segment_starts
 
 _SUB = 16  # sub-chunk length of the intra-chunk factorisation
+# log decays below this (-inf included) are taken as it: e^-1e4 is 0 in float32, and so is every sum
+# of steps that includes one, so the result is unchanged, while a -inf would make the masked sums'
+# zero terms 0 * -inf = NaN
+G_FLOOR = -1e4
 
 
 def _sub_chunk_size(chunk_size: int) -> int:
@@ -96,7 +100,7 @@ def _chunk_body(
     q_BHCK = q_BHCK.astype(f32) * scale
     k_BHCK = k_BHCK.astype(f32)
     v_BHCV = v_BHCV.astype(f32)
-    g_BHCK = g_BHCK.astype(f32)
+    g_BHCK = jnp.maximum(g_BHCK.astype(f32), G_FLOOR)
     beta_BHC = beta_BHC.astype(f32)
     b, h, c, dk = q_BHCK.shape
     n = c // sub

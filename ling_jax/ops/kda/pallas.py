@@ -603,8 +603,8 @@ def kda_pallas(
     and the decay over the last 15 rows of every sub-chunk stay >= -`pallas_chunk.EXP_RANGE` (-75),
     i.e. always for per-step log decays in [`SAFE_LOG_DECAY`, 0] = [-5, 0], as the safe gate with a
     `lower_bound` in that interval guarantees. For any other gate (another bound, the softplus gate,
-    a precomputed `g`) the condition is checked on the data (`decay_in_range`) and the outputs are
-    NaN where it fails; `kimi_delta_attention(impl="auto")` then runs the chunked path instead.
+    a precomputed `g`) the condition is checked on the data (`decay_in_range`) and the outputs of a
+    (sequence, head) are NaN where it fails; `kimi_delta_attention(impl="auto")` then runs the chunked path instead.
     """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
@@ -619,7 +619,9 @@ def kda_pallas(
     interpret = dinterp if interpret is None else interpret
     nt = max(1, math.ceil(t / c))
     t_pad = nt * c
-    cd = "float32" if jnp.float32 in (q.dtype, k.dtype, v.dtype) else "bfloat16"
+    # bf16 operands run the dots in bf16; anything else (float32, float16: too narrow a range for the
+    # kernels' factors) in float32
+    cd = "bfloat16" if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else "float32"
     hd = "float32" if (cd == "float32" or return_chunk_states) else "bfloat16"
     gate = None if a_log is None else ("lb" if lower_bound is not None else "kimi")
     if set(num_warps or {}) - set(WARPS):
@@ -654,19 +656,16 @@ def kda_pallas(
     else:
         al = a_log.astype(F32).reshape(h, 1, 1)
         dtb = dt_bias.astype(F32).reshape(h, 1, dk)
-    outs = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
+    raw = _core(cfg, bool(return_chunk_states), qp, kp, vp, gp, bp, h0t, al, dtb, masks)
+    o = jnp.swapaxes(raw[0], 1, 2) if cfg.layout == "bhtd" else raw[0]
+    outs = [o[:, :t], jnp.swapaxes(raw[1], 2, 3)]  # o [B, T, H, V], final state [B, H, K, V]
+    if return_chunk_states:
+        outs.append(jnp.swapaxes(jnp.swapaxes(raw[2], 3, 4), 1, 2))  # [B, NT, H, K, V]
     if gate != "lb" or not pc.bounded_gate(lower_bound):  # not bounded by construction: NaN outside the range
-        in_range = pc.decay_in_range(g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound))
-        outs = jax.tree.map(lambda x: jnp.where(in_range, x, jnp.nan).astype(x.dtype), outs)
-    o = outs[0]
-    if cfg.layout == "bhtd":
-        o = jnp.swapaxes(o, 1, 2)
-    o = o[:, :t]
-    ht = jnp.swapaxes(outs[1], 2, 3)
-    if not return_chunk_states:
-        return o, ht
-    cs = jnp.swapaxes(outs[2], 3, 4)  # [B, H, NT, K, V]
-    return o, ht, jnp.swapaxes(cs, 1, 2)
+        ok_BH = pc.decay_in_range(g if gate is None else kda_gate(g, a_log, dt_bias, lower_bound), per_sequence=True)
+        shapes = [(b, 1, h, 1), (b, h, 1, 1), (b, 1, h, 1, 1)]
+        outs = [jnp.where(ok_BH.reshape(s), x, jnp.nan).astype(x.dtype) for x, s in zip(outs, shapes, strict=False)]
+    return tuple(outs)
 
 
 kda_pallas.fuses_gate_and_norm = True  # type: ignore[attr-defined]

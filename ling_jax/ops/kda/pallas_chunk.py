@@ -50,15 +50,17 @@ def bounded_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and SAFE_LOG_DECAY <= lower_bound <= 0.0
 
 
-def decay_in_range(g: jax.Array) -> jax.Array:
+def decay_in_range(g: jax.Array, per_sequence: bool = False) -> jax.Array:
     """Whether the sub-chunk factorisation is exact for the log decay g [B, T, H, K] (any chunk size):
     -EXP_RANGE <= g <= 0, and inside every 16-row sub-chunk the decay from its first row to its last
-    (the largest exponent a factor takes) is >= -EXP_RANGE."""
+    (the largest exponent a factor takes) is >= -EXP_RANGE. A scalar, or [B, H] per (sequence, head)
+    with `per_sequence` (the kernels run each on its own)."""
     b, t, h, dk = g.shape
     rows = -(-t // BC) * BC
     gs = jnp.pad(g.astype(F32), ((0, 0), (0, rows - t), (0, 0), (0, 0))).reshape(b, rows // BC, BC, h, dk)
-    return ((jnp.max(gs) <= 0.0) & (jnp.min(gs) >= -EXP_RANGE)
-            & (jnp.min(jnp.sum(gs[:, :, 1:], axis=2)) >= -EXP_RANGE))
+    axes = (1, 2, 4) if per_sequence else None
+    return ((jnp.max(gs, axes) <= 0.0) & (jnp.min(gs, axes) >= -EXP_RANGE)
+            & (jnp.min(jnp.sum(gs[:, :, 1:], axis=2), None if axes is None else (1, 3)) >= -EXP_RANGE))
 
 
 def supports(chunk: int, dk: int, dv: int) -> bool:
