@@ -29,7 +29,7 @@ from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.model import decoder_layer, embed, lm_head, make_context, run_stack, sequence_mixer
 from ling_jax.ops.moe import inference as moe_inference
 from ling_jax.params import Params, get_path, layer_stacks, set_path
-from ling_jax.sharding import context_mesh, multi_device
+from ling_jax.sharding import context_mesh, multi_device, warn_without_mesh
 
 
 def _last(h_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
@@ -272,6 +272,7 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    warn_without_mesh(params)
     max_new_tokens, top_k = int(max_new_tokens), int(top_k)  # numpy scalars as Python ints
     seeds = [seed] * len(prompts) if _is_int(seed) else list(seed) if isinstance(seed, Sequence) else None
     if seeds is None or len(seeds) != len(prompts) or not all(_is_int(s) and -2**63 <= s < 2**64 for s in seeds):

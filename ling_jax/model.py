@@ -38,7 +38,7 @@ from ling_jax.ops.mla_decode import LatentStack
 from ling_jax.ops.moe import ExpertStack
 from ling_jax.ops.saved import KERNEL_RESIDUAL
 from ling_jax.params import Params, layer_params
-from ling_jax.sharding import context_mesh, multi_device
+from ling_jax.sharding import context_mesh, multi_device, warn_without_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,18 +505,30 @@ def _counts_only(y: Any) -> Any:
     return y.get("counts") if isinstance(y, dict) else None
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def forward(config: LingConfig, params: Params, input_ids: jax.Array, *,
             attention_mask: jax.Array | None = None) -> jax.Array:
-    """Logits [B, T, V] float32. `attention_mask` [B, T] (1 = token, 0 = padding, either side):
-    padding never changes the logits of real tokens."""
+    """Logits [B, T, V] float32 (jitted). `attention_mask` [B, T] (1 = token, 0 = padding, either
+    side): padding never changes the logits of real tokens."""
+    warn_without_mesh(params)
+    return _forward(config, params, input_ids, attention_mask=attention_mask)
+
+
+def forward_with_mtp(config: LingConfig, params: Params, input_ids: jax.Array, *,
+                     attention_mask: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
+    """(main logits [B, T, V], [logits of each MTP layer]) in float32 (jitted)."""
+    warn_without_mesh(params)
+    return _forward_with_mtp(config, params, input_ids, attention_mask=attention_mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(config: LingConfig, params: Params, input_ids: jax.Array, *,
+             attention_mask: jax.Array | None = None) -> jax.Array:
     h = forward_hidden(config, params, input_ids, attention_mask=attention_mask)["final"]
     return lm_head(config, params, h)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def forward_with_mtp(config: LingConfig, params: Params, input_ids: jax.Array, *,
-                     attention_mask: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
-    """(main logits [B, T, V], [logits of each MTP layer]) in float32."""
+def _forward_with_mtp(config: LingConfig, params: Params, input_ids: jax.Array, *,
+                      attention_mask: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
     out = forward_hidden(config, params, input_ids, attention_mask=attention_mask, mtp=True)
     return lm_head(config, params, out["final"]), [lm_head(config, params, h) for h in out["mtp"]]

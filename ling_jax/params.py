@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -306,12 +307,20 @@ def materialize(cfg: LingConfig, element: Callable[[ParamSlot, tuple[int, ...]],
 
 
 def default_sharding(cfg: LingConfig, mesh: jax.sharding.Mesh | None) -> Callable[[ParamSlot], jax.sharding.Sharding]:
-    """Our sharding table on `mesh`, or everything on the first device."""
+    """Our sharding table on `mesh`, or everything on the first device. The mesh is checked
+    (`sharding.check_mesh`), and a warning names the axes that some leaves cannot be split over
+    (their dims are not divisible: those leaves are whole on every device of the axis)."""
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return lambda slot: single
-    from ling_jax.sharding import param_sharding
+    from ling_jax.sharding import check_mesh, dropped_axes, param_sharding
 
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (ling_jax.make_mesh builds one), got {type(mesh).__name__}")
+    check_mesh(mesh)
+    for axis, names in dropped_axes(cfg, mesh).items():
+        warnings.warn(f"mesh {axis}={mesh.shape[axis]} does not divide the dims of {len(names)} param leaves, which "
+                      f"stay whole over it (e.g. {', '.join(names[:3])})", stacklevel=3)
     return lambda slot: param_sharding(cfg, slot, mesh)
 
 

@@ -24,10 +24,12 @@ Specs depend only on the mesh's axis *sizes*, so the same table serves a real `M
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ling_jax.config import LingConfig
@@ -82,28 +84,81 @@ NAME_ROLES: dict[str, str] = {
 EXPERT_ROLES = {"gate_proj": "expert_in", "up_proj": "expert_in", "down_proj": "expert_out"}
 
 
-def make_mesh(*, data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1,
-              devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(*, data: int | None = None, fsdp: int | None = None, expert: int | None = None,
+              tensor: int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
     """A `Mesh` over ("data", "fsdp", "expert", "tensor") with Auto axis types.
 
-    The product of the sizes is the number of devices used. With every size 1 (the default), all
-    devices go on `data`. `devices` defaults to `jax.devices()` (all processes' devices); in a
-    single process a smaller product takes the first devices, in several it must match exactly.
+    The product of the sizes given (1 for those not given) is the number of devices used. With no
+    size given, all devices go on `data`. `devices` (a sequence or an array of devices) defaults to
+    `jax.devices()` (all processes' devices); in a single process a smaller product takes the first
+    devices, in several it must match exactly.
     """
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
-    for name, n in sizes.items():
-        if not isinstance(n, int) or n < 1:
+    given = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = {}
+    for name, n in given.items():
+        if n is None:
+            sizes[name] = 1
+            continue
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"make_mesh: {name}={n!r} must be a positive integer")
+        sizes[name] = int(n)
     explicit = devices is not None
-    devs = list(jax.devices() if devices is None else devices)
+    devs = list(np.asarray(jax.devices() if devices is None else devices, dtype=object).reshape(-1))
+    if not devs:
+        raise ValueError("make_mesh: devices= is empty")
+    if len({id(d) for d in devs}) != len(devs):
+        raise ValueError("make_mesh: devices= names a device more than once")
     n_used = math.prod(sizes.values())
-    if n_used == 1:
+    if all(n is None for n in given.values()):
         sizes["data"] = n_used = len(devs)
     if n_used > len(devs) or (n_used < len(devs) and (explicit or jax.process_count() > 1)):
         raise ValueError(f"make_mesh: data*fsdp*expert*tensor = {n_used} but {len(devs)} devices "
                          f"{'were given' if explicit else 'are available'}")
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                          devices=devs[:n_used])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {"data": 2, "expert": 4}; ValueError naming the bad part."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, n = part.partition("=")
+        if not eq or name not in AXES or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--mesh: {part!r} is not axis=size with an axis of {', '.join(AXES)}")
+        sizes[name] = int(n)
+    return sizes
+
+
+def check_mesh(mesh: Mesh | jax.sharding.AbstractMesh) -> None:
+    """Refuses a mesh on which the sharding table would not do what its user meant: an axis of size > 1
+    outside AXES (a typo would leave everything whole on every device), or Explicit axes
+    (`jax.make_mesh`'s default, whose sharding-in-types our shard_maps and constraints do not follow)."""
+    unknown = {a: int(n) for a, n in dict(mesh.shape).items() if a not in AXES and n > 1}
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are not among {AXES}: nothing would be split over them")
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit]
+    if explicit:
+        raise ValueError(f"mesh axes {explicit} are Explicit (jax.make_mesh's default); ling-jax places arrays by "
+                         "its sharding table on Auto axes: build the mesh with ling_jax.make_mesh, or pass "
+                         "axis_types=(jax.sharding.AxisType.Auto,) * n to jax.make_mesh")
+
+
+def dropped_axes(cfg: LingConfig, mesh: Mesh) -> dict[str, list[str]]:
+    """{axis: names of the param leaves it does not split} for each axis of size > 1 that the table
+    asks to split a leaf over but that does not divide the leaf's dim (`fit_spec`'s fallback: the
+    leaf is whole on every device of that axis)."""
+    from ling_jax.params import param_slots
+
+    sizes = axis_sizes(mesh)
+    out: dict[str, list[str]] = {}
+    for slot in param_slots(cfg):
+        dims = ROLES[role_of(slot.path, slot.leaf.experts)]
+        wanted = {a for d in dims for a in ((d,) if isinstance(d, str) else (d or ())) if sizes[a] > 1}
+        got = param_spec(cfg, slot, mesh)
+        used = {a for d in got for a in ((d,) if isinstance(d, str) else (d or ()))}
+        for a in sorted(wanted - used):
+            out.setdefault(a, []).append(".".join(str(p) for p in slot.path))
+    return out
 
 
 def axis_sizes(mesh: Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None) -> dict[str, int]:
@@ -157,9 +212,13 @@ def spec(role: str, shape: Sequence[int], mesh: Mesh | jax.sharding.AbstractMesh
 
 def param_spec(cfg: LingConfig, slot: Any, mesh: Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | None
                ) -> PartitionSpec:
-    """PartitionSpec of one `ParamSlot` (stack axes unsharded)."""
-    del cfg  # the role follows from the slot; kept in the signature for table variants per config
-    return spec(role_of(slot.path, slot.leaf.experts), slot.shape, mesh)
+    """PartitionSpec of one `ParamSlot` (stack axes unsharded). An attention mixer's leaves split over
+    `tensor` only where it divides the head count: a split through a head would make GSPMD regather
+    the projection's whole output before every per-head reshape."""
+    sizes = axis_sizes(mesh)
+    if "attn" in slot.path and cfg.num_attention_heads % sizes["tensor"]:
+        sizes["tensor"] = 1
+    return spec(role_of(slot.path, slot.leaf.experts), slot.shape, sizes)
 
 
 def param_sharding(cfg: LingConfig, slot: Any, mesh: Mesh) -> NamedSharding:
@@ -184,7 +243,20 @@ def context_mesh() -> jax.sharding.AbstractMesh | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return None
+    check_mesh(mesh)
     return mesh
+
+
+def warn_without_mesh(params: Any) -> None:
+    """Warns when `params` (outside jit) are sharded over several devices but no mesh is set: the
+    results are right, but the MoE then runs without expert parallelism (`jax.set_mesh` sets one)."""
+    leaf = next(iter(jax.tree.leaves(params)), None)
+    if context_mesh() is not None or leaf is None or isinstance(leaf, jax.core.Tracer):
+        return
+    sh = getattr(leaf, "sharding", None)
+    if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+        warnings.warn(f"params are sharded over {sh.mesh.size} devices but no mesh is set: the MoE runs without "
+                      "expert parallelism; call under `with jax.set_mesh(mesh)`", stacklevel=3)
 
 
 def multi_device(mesh: jax.sharding.AbstractMesh | None) -> bool:

@@ -56,19 +56,6 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """'data=2,expert=4' -> {"data": 2, "expert": 4}; ValueError naming the bad part."""
-    from ling_jax.sharding import AXES
-
-    sizes: dict[str, int] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        name, eq, n = part.partition("=")
-        if not eq or name not in AXES or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"--mesh: {part!r} is not axis=size with an axis of {', '.join(AXES)}")
-        sizes[name] = int(n)
-    return sizes
-
-
 def load_any(path: Path, dtype: str, fp8_weights: bool = False, mesh: Any = None):
     """(config, params) from an HF directory or an Orbax checkpoint directory, placed on `mesh` if given."""
     import jax
@@ -113,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         stop = None if args.stop_tokens is None else parse_ids(args.stop_tokens)
     except ValueError as e:
         return _fail(f"--stop-tokens: {e}")
+
+    from ling_jax.sharding import parse_mesh
 
     try:
         sizes = parse_mesh(args.mesh)

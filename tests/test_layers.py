@@ -19,6 +19,7 @@ from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops import pallas_gpu
 from ling_jax.ops.moe import routed_experts
+from ling_jax.sharding import make_mesh
 
 
 def test_swiglu_clamp():
@@ -135,7 +136,7 @@ def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
     with pytest.raises(ValueError, match="gemv kernel on expert stacks"):
         moe_ops.routed_experts(jnp.zeros((1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), w_in, w_in, w_out,
                                impl="gather", shared=shared)
-    with jax.set_mesh(jax.make_mesh((2,), ("expert",))):  # a multi-device mesh: the decode-step kernels per
+    with jax.set_mesh(make_mesh(expert=2)):  # a multi-device mesh: the decode-step kernels per
         assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")  # shard, the experts on the XLA path
         assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
         assert not moe_ops.wants_stacks("gemv", jnp.bfloat16, 16, 64, 16)

@@ -13,6 +13,7 @@ import functools
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -61,6 +62,61 @@ def test_make_mesh():
         ling_jax.make_mesh(expert=4, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="tensor"):
         ling_jax.make_mesh(tensor=0)
+
+
+def test_make_mesh_edge_cases():
+    """A size given as 1 means one device (not all of them on data); numpy ints are sizes, bools are
+    not; devices may come as an array (flattened), never empty or twice."""
+    assert ling_jax.make_mesh(data=1).size == 1 and ling_jax.make_mesh(expert=np.int64(2)).shape["expert"] == 2
+    grid = np.asarray(jax.devices()[:4], dtype=object).reshape(2, 2)
+    assert ling_jax.make_mesh(data=4, devices=grid).size == 4
+    for kw, match in [(dict(data=True), "data=True"), (dict(devices=[]), "empty"),
+                      (dict(data=2, devices=[jax.devices()[0]] * 2), "more than once")]:
+        with pytest.raises(ValueError, match=match):
+            ling_jax.make_mesh(**kw)
+
+
+def test_meshes_the_table_cannot_serve_are_refused():
+    """A mesh that is not a Mesh, has an axis of ours misspelt, or has Explicit axes (jax.make_mesh's
+    default: the model crashed in the MoE's shard_map after a load that succeeded) is refused with a
+    message, at load and under `jax.set_mesh` alike."""
+    cfg = LingConfig.preset("debug")
+    explicit = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+    typo = jax.make_mesh((8,), ("experts",), axis_types=(AxisType.Auto,))
+    for mesh, exc, match in [({"expert": 8}, TypeError, "must be a jax.sharding.Mesh"),
+                             (explicit, ValueError, "Explicit"), (typo, ValueError, "'experts': 8")]:
+        with pytest.raises(exc, match=match):
+            ling_jax.params.init_params(cfg, mesh=mesh)
+    params = ling_jax.params.init_params(cfg)
+    with jax.set_mesh(explicit), pytest.raises(ValueError, match="Explicit"):
+        ling_jax.forward(cfg, params, jnp.ones((2, 4), jnp.int32))
+
+
+def test_a_split_through_heads_is_not_made_and_fallbacks_are_reported():
+    """tensor=8 over the debug model's 2 heads: the attention leaves stay whole over `tensor` (a split
+    inside a head made GSPMD regather the projections), the MLPs still split, and the load warns
+    which leaves an axis does not split."""
+    cfg = LingConfig.preset("debug")
+    mesh = ling_jax.make_mesh(tensor=8)
+    assert cfg.num_attention_heads % 8
+    with pytest.warns(UserWarning, match=r"tensor=8 does not divide the dims of \d+ param leaves"):
+        params = ling_jax.params.init_params(cfg, mesh=mesh)
+    seg = params["segments"][0]
+    assert all(s is None for s in seg["attn"]["q_proj"].sharding.spec)
+    assert "tensor" in seg["mlp"]["gate_proj"].sharding.spec
+    assert sharding.dropped_axes(cfg, ling_jax.make_mesh(data=8)) == {}
+
+
+def test_sharded_params_without_a_mesh_warn():
+    """Params loaded onto a mesh, run without `jax.set_mesh`: right results, but the MoE would not
+    dispatch experts over `expert`; the call says so (and not under the mesh)."""
+    mesh, cfg, params = sharded_golden("2x4")
+    ids = jnp.ones((2, 3), jnp.int32)
+    with pytest.warns(UserWarning, match="no mesh is set"):
+        ling_jax.forward(cfg, params, ids)
+    with warnings.catch_warnings(), jax.set_mesh(mesh):
+        warnings.simplefilter("error", UserWarning)
+        ling_jax.forward(cfg, params, ids)
 
 
 def test_fit_spec_falls_back_to_replicated():

@@ -461,7 +461,7 @@ def test_packing_equals_documents_one_by_one(attention):
 
 @pytest.mark.parametrize("case, msg", [
     ("missing", "no such file"), ("empty", "corpus is empty"), ("vocab", "token id 9999 at position 3"),
-    ("seqlen", "exceeds the model's max_position_embeddings"),
+    ("seqlen", "exceeds the model's max_position_embeddings"), ("mesh", "--mesh: 'dta=2' is not axis=size"),
 ])
 def test_bad_input(tmp_path, capsys, case, msg):
     from train.main import main
@@ -475,7 +475,7 @@ def test_bad_input(tmp_path, capsys, case, msg):
         corpus(5).tofile(data)
     seq = "4096" if case == "seqlen" else "16"
     rc = main(["--init", "random:debug", "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "1",
-               "--batch-size", "1", "--seq-len", seq])
+               "--batch-size", "1", "--seq-len", seq, *(["--mesh", "dta=2"] if case == "mesh" else [])])
     err = capsys.readouterr().err
     assert rc == 2 and msg in err, err
 
@@ -483,24 +483,28 @@ def test_bad_input(tmp_path, capsys, case, msg):
 @pytest.mark.heavy
 def test_cli_under_a_data_expert_mesh_matches_one_device(tmp_path):
     """ling-train with mesh {data: 2, expert: 4} on 8 simulated devices (MoE experts dispatched over
-    the expert axis, batch rows over data x expert) gives the single-device losses."""
+    the expert axis, batch rows over data x expert; from the config file, or from --mesh over the
+    file's one device) gives the single-device losses."""
     data = tmp_path / "corpus.bin"
     corpus(100).tofile(data)
     losses = []
-    for name, mesh in (("one", {}), ("mesh", {"data": 2, "expert": 4})):
+    runs = (("one", {}, []), ("mesh", {"data": 2, "expert": 4}, []), ("flag", {}, ["--mesh", "data=2,expert=4"]))
+    for name, mesh, flag in runs:
         cfg_file = tmp_path / f"{name}.json"
         cfg_file.write_text(json.dumps({**TCFG, "batch_size": 8, "seq_len": 32, "mesh": mesh}))
         env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
         proc = subprocess.run(
             [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out",
-             str(tmp_path / name), "--steps", "2", "--config", str(cfg_file)],
+             str(tmp_path / name), "--steps", "2", "--config", str(cfg_file), *flag],
             env={**env, "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE, "JAX_DEFAULT_MATMUL_PRECISION": "highest"},
             capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=1200)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert ("running on 1 of 8 devices" in proc.stdout) == (name == "one"), proc.stdout
         losses.append(_losses(tmp_path / name))
-    assert losses[0].keys() == losses[1].keys() == {1, 2}
+    assert losses[0].keys() == losses[1].keys() == losses[2].keys() == {1, 2}
     for step in (1, 2):
         assert abs(losses[0][step] - losses[1][step]) < 1e-4 * abs(losses[0][step]), losses
+    assert losses[1] == losses[2]
 
 
 @pytest.mark.heavy

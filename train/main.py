@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-steps", type=int)
     ap.add_argument("--config", help="JSON/YAML TrainConfig file (see train/config.py)")
     ap.add_argument("--tokenizer", help="tokenizer.json for .txt/.jsonl data")
+    ap.add_argument("--mesh", help="device mesh as axis=size pairs of data, fsdp, expert, tensor, e.g. "
+                    "'data=2,expert=4' (overrides the config's mesh; default: one device)")
     return ap
 
 
@@ -64,11 +66,13 @@ def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, An
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from ling_jax.sharding import parse_mesh
     from train.config import TrainConfig
 
     try:
         tcfg = TrainConfig.load(args.config, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                                lr=args.lr, warmup_steps=args.warmup_steps)
+                                lr=args.lr, warmup_steps=args.warmup_steps,
+                                mesh=None if args.mesh is None else parse_mesh(args.mesh))
     except (ValueError, FileNotFoundError, TypeError) as e:
         return _fail(str(e))
     try:
@@ -99,6 +103,9 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0  # the process that writes the run's files and prints
     mesh = make_mesh(**tcfg.mesh) if tcfg.mesh else None
+    if mesh is None and jax.device_count() > 1 and lead:
+        print(f"ling-train: running on 1 of {jax.device_count()} devices (--mesh, or the config's mesh, spreads "
+              "the run over them)")
     ckpts = RunCheckpoints(out, keep=tcfg.keep_checkpoints)
     resume = ckpts.latest_step()
     if resume is None:
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         clock["free"] = time.perf_counter()  # the next step's time starts after the write
 
     def report(it: int, m: dict[str, Any], dt: float) -> None:
-        tok_s = float(m["tokens_total"]) / dt if dt > 0 else 0.0
+        tok_s = tcfg.batch_size * tcfg.seq_len / dt if dt > 0 else 0.0
         line = {"step": it, "loss": float(m["loss"]), "mtp_loss": float(m["mtp_loss"]),
                 "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "finite": bool(m["finite"]),
                 "tokens_per_s": tok_s, "step_time_s": dt,
@@ -209,7 +216,6 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
                 state, metrics = step_fn(state, batch)
                 it += 1
                 data_pos = batches.state()
-                metrics["tokens_total"] = jnp.float32(tcfg.batch_size * tcfg.seq_len)
                 flush()  # the previous step's metrics, read while this one runs
                 pending = (it, metrics, t0)
                 if it % tcfg.checkpoint_every == 0 and it < tcfg.steps:
