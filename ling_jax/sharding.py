@@ -15,7 +15,8 @@ per-dimension tuple of mesh axes (`ROLES`). Stacked layer axes (the leading `[n_
 `[n_groups, G-1]` axes of a stack) are never sharded. A dimension whose size is not divisible by
 its axes' size falls back to replicated on those axes (one by one from the last), so odd tiny
 shapes still run on any mesh. Activations have roles too (`act_btd`, `tokens_bt`, ...); layer code
-refers to roles (`constrain`), never to axis names, except the MoE `shard_map` in layers/moe.py.
+refers to roles (`constrain`), never to axis names, except the MoE `shard_map` in layers/moe.py and
+`per_shard` (the Pallas kernels once per shard).
 
 Specs depend only on the mesh's axis *sizes*, so the same table serves a real `Mesh`, an
 `AbstractMesh` inside jit, and the memory plan (ling_jax/memory.py) of machines we do not have.
@@ -103,7 +104,8 @@ def make_mesh(*, data: int | None = None, fsdp: int | None = None, expert: int |
             raise ValueError(f"make_mesh: {name}={n!r} must be a positive integer")
         sizes[name] = int(n)
     explicit = devices is not None
-    devs = list(np.asarray(jax.devices() if devices is None else devices, dtype=object).reshape(-1))
+    devs = jax.devices() if devices is None else devices
+    devs = list(np.asarray(devs if isinstance(devs, np.ndarray) else list(devs), dtype=object).reshape(-1))
     if not devs:
         raise ValueError("make_mesh: devices= is empty")
     if len({id(d) for d in devs}) != len(devs):
@@ -131,12 +133,15 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def check_mesh(mesh: Mesh | jax.sharding.AbstractMesh) -> None:
     """Refuses a mesh on which the sharding table would not do what its user meant: an axis of size > 1
-    outside AXES (a typo would leave everything whole on every device), or Explicit axes
-    (`jax.make_mesh`'s default, whose sharding-in-types our shard_maps and constraints do not follow)."""
-    unknown = {a: int(n) for a, n in dict(mesh.shape).items() if a not in AXES and n > 1}
+    outside AXES (a typo would leave everything whole on every device; a shard_map's Manual axes
+    pass), or Explicit axes of size > 1 (`jax.make_mesh`'s default, whose sharding-in-types our
+    shard_maps and constraints do not follow)."""
+    axes = list(zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True))
+    # Manual axes are those of a shard_map the call runs inside (its own names are the caller's business)
+    unknown = {a: int(n) for a, n, t in axes if a not in AXES and n > 1 and t != AxisType.Manual}
     if unknown:
         raise ValueError(f"mesh axes {unknown} are not among {AXES}: nothing would be split over them")
-    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit]
+    explicit = [a for a, n, t in axes if t == AxisType.Explicit and n > 1]
     if explicit:
         raise ValueError(f"mesh axes {explicit} are Explicit (jax.make_mesh's default); ling-jax places arrays by "
                          "its sharding table on Auto axes: build the mesh with ling_jax.make_mesh, or pass "
@@ -255,8 +260,9 @@ def warn_without_mesh(params: Any) -> None:
         return
     sh = getattr(leaf, "sharding", None)
     if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
-        warnings.warn(f"params are sharded over {sh.mesh.size} devices but no mesh is set: the MoE runs without "
-                      "expert parallelism; call under `with jax.set_mesh(mesh)`", stacklevel=3)
+        warnings.warn(f"params are sharded over {sh.mesh.size} devices but no mesh is set: activations are not "
+                      "placed by the sharding table and the MoE runs without expert parallelism; call under "
+                      "`with jax.set_mesh(mesh)`", stacklevel=3)
 
 
 def multi_device(mesh: jax.sharding.AbstractMesh | None) -> bool:

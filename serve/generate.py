@@ -3,7 +3,8 @@
 Prompts are text (encoded with a Hugging Face `tokenizer.json` through the `tokenizers` library)
 or comma-separated token ids. The model comes from an HF checkpoint directory (BF16 or
 block-FP8 safetensors) or an Orbax checkpoint written by `ling-convert` / `ling-train`.
-Prints every output and the decode throughput.
+Prints every output and the tokens/s of the whole call (prefill + decode; including compilation
+unless `--timed-rerun`).
 """
 
 from __future__ import annotations

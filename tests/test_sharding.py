@@ -70,6 +70,7 @@ def test_make_mesh_edge_cases():
     assert ling_jax.make_mesh(data=1).size == 1 and ling_jax.make_mesh(expert=np.int64(2)).shape["expert"] == 2
     grid = np.asarray(jax.devices()[:4], dtype=object).reshape(2, 2)
     assert ling_jax.make_mesh(data=4, devices=grid).size == 4
+    assert ling_jax.make_mesh(devices=(d for d in jax.devices()[:4])).shape["data"] == 4  # any iterable
     for kw, match in [(dict(data=True), "data=True"), (dict(devices=[]), "empty"),
                       (dict(data=2, devices=[jax.devices()[0]] * 2), "more than once")]:
         with pytest.raises(ValueError, match=match):
@@ -90,6 +91,14 @@ def test_meshes_the_table_cannot_serve_are_refused():
     params = ling_jax.params.init_params(cfg)
     with jax.set_mesh(explicit), pytest.raises(ValueError, match="Explicit"):
         ling_jax.forward(cfg, params, jnp.ones((2, 4), jnp.int32))
+    # what stays allowed: an Explicit axis of size 1, and a caller's shard_map over axes of its own
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])):
+        assert sharding.context_mesh() is not None
+    own = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("replica",))
+    seen = []
+    jax.shard_map(lambda x: seen.append(sharding.context_mesh()) or x, mesh=own, in_specs=P("replica"),
+                  out_specs=P("replica"))(jnp.ones(2))
+    assert seen and seen[0].axis_names == ("replica",)
 
 
 def test_a_split_through_heads_is_not_made_and_fallbacks_are_reported():

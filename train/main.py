@@ -1,7 +1,8 @@
 """`ling-train`: continued pretraining, from an HF or Orbax checkpoint or a random preset.
 
-    ling-train --init random:debug|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
-               --batch-size B --seq-len T [--lr LR] [--warmup-steps W] [--config FILE] [--tokenizer FILE]
+    ling-train --init random:PRESET|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
+               --batch-size B --seq-len T [--lr LR] [--warmup-steps W] [--config FILE] [--tokenizer FILE] \\
+               [--mesh AXIS=N,...]
 
 `--steps N` is the total: if `--out` already holds a checkpoint the run resumes from it and
 continues up to N (a run of 20 steps then the same command with `--steps 40` equals one run of

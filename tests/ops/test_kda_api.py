@@ -75,6 +75,16 @@ def test_a_traced_kernel_constant_is_refused_alike(impl, name):
         jax.jit(lambda c: _run(x, impl, **extra, **{name: c}))(jnp.float32(-0.5))
 
 
+def test_bool_segment_ids_are_ids():
+    """Two-valued segment ids may come as bool: the same segments as the int ids."""
+    x = _inputs(4)
+    ids = np.zeros((B, T), np.int32)
+    ids[:, 9:] = 1
+    got = _run(x, "chunked", segment_ids=jnp.asarray(ids, bool))
+    want = _run(x, "chunked", segment_ids=jnp.asarray(ids))
+    np.testing.assert_array_equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_tokens_pass_the_state_through(impl):
     x = _inputs(t=0)

@@ -165,8 +165,9 @@ def _checked(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids, a_
         raise ValueError(f"initial_state must be a float [B, H, K, V] = {[b, h, dk, dv]} array; got "
                          f"{initial_state.dtype}{list(initial_state.shape)}")
     if segment_ids is not None and (tuple(segment_ids.shape) != (b, t)
-                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise ValueError(f"segment_ids must be an int [B, T] = {[b, t]} array; got "
+                                    or not (jnp.issubdtype(segment_ids.dtype, jnp.integer)
+                                            or segment_ids.dtype == jnp.bool_)):
+        raise ValueError(f"segment_ids must be an int (or bool) [B, T] = {[b, t]} array; got "
                          f"{segment_ids.dtype}{list(segment_ids.shape)}")
     if (a_log is None) != (dt_bias is None):
         raise ValueError("a_log and dt_bias come together (the fused gate); got only "
