@@ -116,12 +116,14 @@ def test_bench_scripts_run(tmp_path, script):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("script,args", [("l2_window.py", []), ("normed_gemv.py", []),
+@pytest.mark.parametrize("script,args", [("l2_window.py", ["--window-iters", "0", "10", "--fractions", "0.5", "1",
+                                                           "--between-mb", "0", "1"]), ("normed_gemv.py", []),
                                          ("decode_sync.py", ["--steps", "4", "--group", "2", "--reps", "1"])])
 def test_decode_probe_scripts_run(tmp_path, script, args):
     """The twenty-first session's decode probes run on the CPU (`--smoke`) and check what they must:
-    the prefetch leaves the chain's result unchanged, the kernel's norm matches XLA's, and every
-    decode loop form emits the same greedy tokens."""
+    the prefetch (XLA's, or the window kernel's own, with or without weights read between) leaves the
+    chain's result unchanged, the kernel's norm matches XLA's, and every decode loop form emits the
+    same greedy tokens."""
     out = tmp_path / "out.json"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, str(root / "bench" / script), "--smoke", *args, "--out", str(out)],
@@ -131,6 +133,8 @@ def test_decode_probe_scripts_run(tmp_path, script, args):
               "decode_sync.py": "tokens_match_first_form"}[script]
     got = [r[checks] for r in runs if checks in r]
     assert got and len(runs) >= 3
+    if script == "l2_window.py":
+        assert sum("max_abs_diff_vs_serial" in r and r["form"] == "inkernel" for r in runs) == 8
     assert all(g is True for g in got) if script == "decode_sync.py" else all(g < 1e-2 for g in got), runs
 
 
@@ -358,3 +362,29 @@ def test_span_fields_rate_the_span_against_the_floor():
     assert row["span_us"] == pytest.approx(2.0) and row["kernel_sum_us"] == pytest.approx(3.0)
     assert row["GBps"] == pytest.approx(2.0) and row["x_floor"] == pytest.approx(2.0)  # floor 1 us
     assert [k["name"] for k in row["top_kernels"]] == ["k0", "k1"] and "op_path" not in row["top_kernels"][0]
+
+
+def test_step_budget_cuts_one_step_and_sets_the_gemvs_against_their_floor():
+    """One step: from the launch after the longest gap to the longest XLA launch after it (the lm_head,
+    not a longer Pallas kernel); launches summed by kind; the bounds from the run's floor."""
+    from bench.step_budget import budget
+
+    cfg = LingConfig.preset("debug")
+    lm_head_bytes = 2 * cfg.vocab_size * cfg.hidden_size
+    seq = [("loop_pad_fusion", 300.0, 0.0), ("input_reduce_fusion", 1.0, 900.0),  # setup; the step after the gap
+           ("expert_gemv", 10.0, 0.0), ("loop_convert_fusion_14", 1.0, 0.0), ("kda_decode_layer__2", 4.0, 0.0),
+           ("expert_gemv__16", 5.0, 0.0), ("latent_attention__1", 200.0, 0.0), ("route_select__3", 3.0, 0.0),
+           ("gemm_fusion_dot_44", 100.0, 0.0), ("input_reduce_select_fusion", 2.0, 0.0)]  # lm_head, then sampling
+    run = {"batch": 1, "context": 1024, "hbm_floor_ms": 0.2,
+           "bytes_per_step": {"weights": lm_head_bytes + 10e6}, "profile": {"ms_per_step_busy": 0.3, "sequence": [
+               {"name": n, "us": us, "gap_us": gap} for n, us, gap in seq]}}
+    b = budget(run, "debug", bandwidth_gbps=1000.0)  # 1e9 bytes/ms: the gemvs' 10 MB take 10 us at the floor
+    assert b["launches"] == 8 and b["lm_head_us"] == 100.0
+    assert b["by_kind"] == {"latent_attention": {"launches": 1, "us": 200.0},
+                            "expert_gemv": {"launches": 2, "us": 15.0},
+                            "kda_decode_layer": {"launches": 1, "us": 4.0},
+                            "route_select": {"launches": 1, "us": 3.0}, "xla": {"launches": 2, "us": 2.0}}
+    assert b["gemv_floor_us"] == pytest.approx(10.0) and b["gemv_x_floor"] == pytest.approx(1.5)
+    assert b["launch_time_us"] == pytest.approx(324.0) and b["launches_x_floor"] == pytest.approx(324 / 200)
+    assert b["gemvs_at_floor_x"] == pytest.approx(319 / 200)
+    assert b["only_weight_reads_x"] == pytest.approx(115 / 200)
