@@ -21,11 +21,15 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ling-demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="runs/demo", help="working directory (default: runs/demo; recreated)")
+    ap.add_argument("--out", default="runs/demo",
+                    help="working directory (default: runs/demo); the demo's own outputs in it are replaced, "
+                         "anything else is left alone")
     ap.add_argument("--preset", default="debug", help="config preset of the random model (default: debug)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-steps", type=int, default=4)
     args = ap.parse_args(argv)
+    if args.train_steps < 1:
+        ap.error(f"--train-steps {args.train_steps}: must be at least 1")
 
     import jax
     import numpy as np
@@ -43,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ling-demo: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
+    if out.exists() and not out.is_dir():
+        print(f"ling-demo: --out {out}: not a directory", file=sys.stderr)
+        return 2
     hf_dir, orbax_dir = out / "hf-fp8", out / "orbax"
+    for own in (hf_dir, orbax_dir, out / "train"):  # a previous demo's outputs; nothing else in --out
+        shutil.rmtree(own, ignore_errors=True)
     n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds)
     print(f"[1/5] random {args.preset} model: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
           f"{n_mla} MLA), {cfg.num_experts} experts, {cfg.num_nextn_predict_layers} MTP layer(s) -> {hf_dir}")

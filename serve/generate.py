@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     path = Path(args.checkpoint)
     if not path.is_dir():
-        return _fail(f"--checkpoint {path}: no such directory")
+        return _fail(f"--checkpoint {path}: " + ("not a directory" if path.exists() else "no such directory"))
     if not args.prompt and not args.prompt_ids:
         return _fail("give at least one --prompt or --prompt-ids")
     tok = None
@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}] prompt {len(p)} tokens -> {len(o)} new: {o}{text}")
     where = f"{jax.devices()[0].platform}" + ("" if mesh is None else f" x {mesh.size} ({args.mesh})")
     if args.timed_rerun:
-        print(f"{n_new} new tokens for {len(prompts)} prompts on {where}: "
+        print(f"{n_new} new tokens for {len(prompts)} prompt{'s' * (len(prompts) != 1)} on {where}: "
               f"{n_new / (t2 - t1):.1f} tokens/s ({t2 - t1:.3f} s warm; first call with compilation {t1 - t0:.2f} s)")
     else:
-        print(f"{n_new} new tokens for {len(prompts)} prompts on {where} in {t1 - t0:.2f} s with compilation "
-              f"({n_new / (t1 - t0):.1f} tokens/s; --timed-rerun times a warm call)")
+        print(f"{n_new} new tokens for {len(prompts)} prompt{'s' * (len(prompts) != 1)} on {where} in "
+              f"{t1 - t0:.2f} s with compilation ({n_new / (t1 - t0):.1f} tokens/s; --timed-rerun times a warm call)")
     return 0
 
 

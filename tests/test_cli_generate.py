@@ -39,6 +39,7 @@ def test_text_and_id_prompts(checkpoint, capsys):
 
 @pytest.mark.parametrize("args, msg", [
     (["--checkpoint", "/nonexistent", "--prompt-ids", "1"], "no such directory"),
+    (["--checkpoint", __file__, "--prompt-ids", "1"], "not a directory"),
     (["--prompt", "hello"], "need --tokenizer"),
     (["--prompt-ids", "1,x"], "--prompt-ids"),
     (["--prompt-ids", "1,999"], "outside"),

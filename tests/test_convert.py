@@ -156,9 +156,10 @@ def test_save_checkpoint_orbax_native(tmp_path, ck_float8):
     _assert_same_tensors(_export(ck, tmp_path / "hf"), FP8_SRC)
 
 
-def test_training_step_directory(tmp_path):
+def test_training_step_directory(tmp_path, monkeypatch):
     """A CheckpointManager step as train/ writes it (params inside a `state` item, config.json in the run
-    directory): load_checkpoint restores only the params; ling-export exports them."""
+    directory): load_checkpoint restores only the params, from an absolute or a relative path (Orbax
+    takes absolute ones only); ling-export exports them."""
     import orbax.checkpoint as ocp
 
     from ling_jax.params import init_params
@@ -177,6 +178,10 @@ def test_training_step_directory(tmp_path):
     same = jax.tree.map(lambda a, b: a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b)), loaded,
                         jax.tree.map(lambda a: a.astype(jnp.float32), params))
     assert all(jax.tree.leaves(same))
+    monkeypatch.chdir(run)
+    _, relative = load_checkpoint(Path("checkpoints") / "7", dtype="float32")
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), relative,
+                                            loaded)))
     out = _export(run / "checkpoints" / "7", tmp_path / "hf")
     _, back = ling_jax.load_hf_checkpoint(out, dtype="bfloat16")
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), back, params)))
@@ -260,6 +265,11 @@ def test_sigkill_then_resume(tmp_path):
 def test_incomplete_or_missing_checkpoint(tmp_path, ck_float8):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="an empty directory, not a checkpoint"):
+        load_checkpoint(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="a Hugging Face checkpoint, not an Orbax one"):
+        load_checkpoint(FP8_SRC)
     broken = tmp_path / "broken"
     shutil.copytree(ck_float8, broken)
     (broken / "ling_checkpoint.json").unlink()

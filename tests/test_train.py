@@ -224,9 +224,11 @@ def test_resumed_metrics_drop_the_steps_after_the_checkpoint(tmp_path):
 
 
 @pytest.mark.heavy
-def test_sigterm_saves_and_resumes(tmp_path):
-    """SIGTERM (a scheduler's preemption) stops the run after a step with a checkpoint there (exit
-    143); the same command then finishes the run, each step in metrics.jsonl once."""
+@pytest.mark.parametrize("sig,name,rc", [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "Ctrl-C", 130)])
+def test_signal_saves_and_resumes(tmp_path, sig, name, rc):
+    """SIGTERM (a scheduler's preemption) or Ctrl-C stops the run after the step in flight with a
+    checkpoint there (exit 143 / 130, no traceback); the same command then finishes the run, each
+    step in metrics.jsonl once."""
     data = tmp_path / "corpus.bin"
     corpus(200).tofile(data)
     cfg_file = tmp_path / "train.json"
@@ -236,10 +238,10 @@ def test_sigterm_saves_and_resumes(tmp_path):
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         assert run.poll() is None and time.time() < deadline, run.communicate()[0]
         time.sleep(0.05)
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(sig)
     log = run.communicate(timeout=600)[0]
-    assert run.returncode == 143 and "SIGTERM: stopped at step" in log, log
-    stopped = int(re.search(r"SIGTERM: stopped at step (\d+)", log).group(1))
+    assert run.returncode == rc and f"{name}: stopped at step" in log and "Traceback" not in log, log
+    stopped = int(re.search(rf"{name}: stopped at step (\d+)", log).group(1))
     assert 2 <= stopped < 1000 and (tmp_path / "r" / "checkpoints" / str(stopped)).is_dir()
     assert sorted(_losses(tmp_path / "r")) == list(range(1, stopped + 1))
     resumed = _train_cli(tmp_path / "r", stopped + 2, data, cfg_file)
@@ -247,6 +249,27 @@ def test_sigterm_saves_and_resumes(tmp_path):
     assert resumed.returncode == 0 and f"at step {stopped}" in log, log
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, stopped + 3))
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    """The first Ctrl-C asks the loop to stop after its step; a second raises KeyboardInterrupt now;
+    SIGTERM after a Ctrl-C keeps the Ctrl-C's exit; with the handler disabled nothing is installed."""
+    from train.main import _StopOnSignal
+
+    with _StopOnSignal() as stop:
+        assert signal.getsignal(signal.SIGINT) == stop._handle == signal.getsignal(signal.SIGTERM)
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested == "Ctrl-C"
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested == "Ctrl-C"
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with _StopOnSignal() as stop:
+        stop._handle(signal.SIGTERM, None)
+        assert stop.requested == "SIGTERM"
+    with _StopOnSignal(enabled=False) as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
@@ -462,6 +485,8 @@ def test_packing_equals_documents_one_by_one(attention):
 @pytest.mark.parametrize("case, msg", [
     ("missing", "no such file"), ("empty", "corpus is empty"), ("vocab", "token id 9999 at position 3"),
     ("seqlen", "exceeds the model's max_position_embeddings"), ("mesh", "--mesh: 'dta=2' is not axis=size"),
+    ("config", "c.json: not valid JSON (Expecting value"), ("yaml", "c.yaml: not valid YAML (while parsing"),
+    ("list", "c.json: expected a mapping of options, got list"),
 ])
 def test_bad_input(tmp_path, capsys, case, msg):
     from train.main import main
@@ -473,11 +498,17 @@ def test_bad_input(tmp_path, capsys, case, msg):
         np.asarray([1, 2, 3, 9999, 4], np.uint32).tofile(data)
     elif case == "seqlen":
         corpus(5).tofile(data)
+    configs = {"config": ("c.json", "nope"), "yaml": ("c.yaml", "a: [1\n"), "list": ("c.json", "[1, 2]")}
+    extra = ["--mesh", "dta=2"] if case == "mesh" else []
+    if case in configs:
+        name, text = configs[case]
+        (tmp_path / name).write_text(text)
+        extra = ["--config", str(tmp_path / name)]
     seq = "4096" if case == "seqlen" else "16"
     rc = main(["--init", "random:debug", "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "1",
-               "--batch-size", "1", "--seq-len", seq, *(["--mesh", "dta=2"] if case == "mesh" else [])])
+               "--batch-size", "1", "--seq-len", seq, *extra])
     err = capsys.readouterr().err
-    assert rc == 2 and msg in err, err
+    assert rc == 2 and msg in err and err.count("\n") == 1, err
 
 
 @pytest.mark.heavy

@@ -20,7 +20,7 @@ class RunCheckpoints:
         self.manager = ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True),
+                                                 create=True, cleanup_tmp_directories=True),
         )
 
     def latest_step(self) -> int | None:

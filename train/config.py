@@ -61,13 +61,20 @@ class TrainConfig:
             p = Path(path)
             if not p.is_file():
                 raise FileNotFoundError(f"--config {p}: no such file")
-            text = p.read_text()
-            if p.suffix in (".yaml", ".yml"):
+            text, yaml_file = p.read_text(), p.suffix in (".yaml", ".yml")
+            if yaml_file:
                 import yaml
 
-                d = yaml.safe_load(text) or {}
+                errors: tuple[type[Exception], ...] = (yaml.YAMLError,)
             else:
-                d = json.loads(text)
+                errors = (json.JSONDecodeError,)
+            try:
+                d = (yaml.safe_load(text) or {}) if yaml_file else json.loads(text)
+            except errors as e:
+                why = " ".join(str(e).split())  # YAML's messages span lines
+                raise ValueError(f"--config {p}: not valid {'YAML' if yaml_file else 'JSON'} ({why})") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"--config {p}: expected a mapping of options, got {type(d).__name__}")
             unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
             if unknown:
                 raise ValueError(f"--config {p}: unknown option(s) {sorted(unknown)}")

@@ -7,7 +7,8 @@
 `--steps N` is the total: if `--out` already holds a checkpoint the run resumes from it and
 continues up to N (a run of 20 steps then the same command with `--steps 40` equals one run of
 40). A checkpoint is written when a run ends after any step: at `--steps`, on an error, on Ctrl-C
-or on SIGTERM (a scheduler's preemption, in a single-process run; it then exits 143). Every step appends one JSON line
+or on SIGTERM (a scheduler's preemption). In a single-process run both stop the loop after the step
+in flight (exit 130 / 143); a second Ctrl-C stops at once. Every step appends one JSON line
 to `<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...; a resumed
 run first drops the lines after its checkpoint) and prints a progress line; metrics are read one
 step late so the device never waits for the host, and a step's time excludes checkpoint writes.
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, tcfg)
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
         return _fail(str(e))
+    except KeyboardInterrupt:  # a second Ctrl-C (or one in a multi-process run): what was saved is reported
+        print("ling-train: interrupted", file=sys.stderr)
+        return 130
 
 
 def run(args: argparse.Namespace, tcfg: Any) -> int:
@@ -204,7 +208,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         bad = 0 if p_m["finite"] else bad + 1
         pending = None
 
-    stop = _StopOnSigterm(enabled=jax.process_count() == 1)
+    stop = _StopOnSignal(enabled=jax.process_count() == 1)
     it = start
     data_pos = batches.state()  # the data position after the steps taken so far
     gave_up = finished = False
@@ -244,36 +248,43 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
             ckpts.wait()
             ckpts.close()
     if stop.requested and it < tcfg.steps:
-        print(f"ling-train: SIGTERM: stopped at step {it}, "
+        print(f"ling-train: {stop.requested}: stopped at step {it}, "
               + ("checkpoint saved" if saved else "before any step: nothing to save"), file=sys.stderr)
-        return 143
+        return 143 if stop.requested == "SIGTERM" else 130
     print(f"saved {out / 'checkpoints'} at step {it}")
     return 1 if gave_up or bad >= tcfg.max_bad_steps else 0
 
 
-class _StopOnSigterm:
-    """While entered, SIGTERM sets `requested` (the loop then stops and saves) instead of killing.
+class _StopOnSignal:
+    """While entered, SIGTERM and a first Ctrl-C (SIGINT) set `requested` (the signal's name): the loop
+    then stops after the step in flight and saves, instead of dying inside a step whose donated
+    state it can no longer save. A second Ctrl-C interrupts at once (`KeyboardInterrupt`).
 
     `enabled` False (a multi-process job: processes stopping at different steps would deadlock in
-    the save's collectives) leaves SIGTERM as it is; such a job resumes from its last periodic
-    checkpoint."""
+    the save's collectives) leaves both signals as they are; such a job resumes from its last
+    periodic checkpoint."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.requested = False
+        self.requested: str | None = None
         self.enabled = enabled
-        self._old: Any = None
+        self._old: dict[int, Any] = {}
 
-    def __enter__(self) -> _StopOnSigterm:
+    def __enter__(self) -> _StopOnSignal:
         if self.enabled and threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
+            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        if signum == signal.SIGINT:
+            if self.requested == "Ctrl-C":
+                raise KeyboardInterrupt
+            print("ling-train: Ctrl-C: stopping after the step in flight, then saving (Ctrl-C again: stop now, "
+                  "without a checkpoint of the steps since the last one)", file=sys.stderr, flush=True)
+        self.requested = "Ctrl-C" if signum == signal.SIGINT else self.requested or "SIGTERM"
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

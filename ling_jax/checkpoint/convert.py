@@ -253,7 +253,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     leaves, work = _plan(cfg, src, dtype)
     if dtype == "float8" and not any(lp.fp8_block for lp in leaves):
         raise CheckpointError(f"{hf} has no block-FP8 weights to keep; --dtype float8 needs an FP8 source "
-                              "(ling-export --dtype float8 quantizes)")
+                              "(ling-export --dtype float8 quantizes a checkpoint whose config.json has a "
+                              "quantization_config)")
     # ---------------------------------------------------------------- everything checked: start writing
     tmp = partial_dir(out)
     init_ns = time.time_ns()
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="bfloat16: dequantize FP8 (float32 tensors stay float32); float8: keep FP8 weights "
-                             "and their block scales; float32 (default: %(default)s)")
+                             "and their block scales; float32: every tensor in float32, FP8 dequantized "
+                             "(default: %(default)s)")
     parser.add_argument("--compress", action="store_true", help="zstd-compress chunks (slower, smaller)")
     parser.add_argument("--no-verify", action="store_true", help="skip reading every tensor back before committing")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -209,7 +209,7 @@ def open_checkpoint(path: str | Path, **config_options: Any) -> Checkpoint:
     Raises `IncompleteCheckpointError` for the partial output of an interrupted conversion (or an
     output path whose conversion never finished) and `CheckpointError` when there is nothing there.
     """
-    p = Path(path)
+    p = Path(path).absolute()  # Orbax takes absolute paths only
     if not p.exists():
         if partial_dir(p).exists():
             raise IncompleteCheckpointError(
@@ -231,8 +231,13 @@ def open_checkpoint(path: str | Path, **config_options: Any) -> Checkpoint:
         raise IncompleteCheckpointError(
             f"incomplete checkpoint: {p} is the partial output of an interrupted write (re-run the conversion)")
     elif not (p / STEP_METADATA).is_file() and not (p / PARAMS / STEP_METADATA).is_file():
+        if not any(p.iterdir()):
+            raise CheckpointError(f"{p}: an empty directory, not a checkpoint")
+        if (p / CONFIG).is_file() and any(p.glob("*.safetensors")):
+            raise CheckpointError(f"{p}: a Hugging Face checkpoint, not an Orbax one (load_hf_checkpoint reads it; "
+                                  "ling-convert converts it)")
         raise IncompleteCheckpointError(f"incomplete checkpoint: {p} has neither {MANIFEST} nor Orbax's "
-                                        f"{STEP_METADATA} (its writing never finished)")
+                                        f"{STEP_METADATA} (not a checkpoint, or its writing never finished)")
     item, prefix = _find_params_item(p)
     scales = p / SCALES if (p / SCALES / "_METADATA").is_file() else None
     if manifest.get("fp8_blocks") and scales is None:
