@@ -278,8 +278,8 @@ class _StopOnSignal:
         if signum == signal.SIGINT:
             if self.requested == "Ctrl-C":
                 raise KeyboardInterrupt
-            print("ling-train: Ctrl-C: stopping after the step in flight, then saving (Ctrl-C again: stop now, "
-                  "without a checkpoint of the steps since the last one)", file=sys.stderr, flush=True)
+            print("ling-train: Ctrl-C: stopping after the step in flight, then saving (Ctrl-C again: stop now; "
+                  "the steps since the last checkpoint may be lost)", file=sys.stderr, flush=True)
         self.requested = "Ctrl-C" if signum == signal.SIGINT else self.requested or "SIGTERM"
 
     def __exit__(self, *exc: Any) -> None:
