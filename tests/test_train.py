@@ -253,23 +253,32 @@ def test_signal_saves_and_resumes(tmp_path, sig, name, rc):
 
 def test_a_second_ctrl_c_interrupts_at_once():
     """The first Ctrl-C asks the loop to stop after its step; a second raises KeyboardInterrupt now;
-    SIGTERM after a Ctrl-C keeps the Ctrl-C's exit; with the handler disabled nothing is installed."""
+    SIGTERM after a Ctrl-C keeps the Ctrl-C's exit; the handlers are restored on exit; with the
+    handler disabled, or SIGINT ignored (a background job), SIGINT is left as it was."""
     from train.main import _StopOnSignal
 
-    with _StopOnSignal() as stop:
-        assert signal.getsignal(signal.SIGINT) == stop._handle == signal.getsignal(signal.SIGTERM)
-        stop._handle(signal.SIGINT, None)
-        assert stop.requested == "Ctrl-C"
-        stop._handle(signal.SIGTERM, None)
-        assert stop.requested == "Ctrl-C"
-        with pytest.raises(KeyboardInterrupt):
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (CI may ignore it)
+    try:
+        with _StopOnSignal() as stop:
+            assert signal.getsignal(signal.SIGINT) == stop._handle == signal.getsignal(signal.SIGTERM)
             stop._handle(signal.SIGINT, None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with _StopOnSignal() as stop:
-        stop._handle(signal.SIGTERM, None)
-        assert stop.requested == "SIGTERM"
-    with _StopOnSignal(enabled=False) as stop:
+            assert stop.requested == "Ctrl-C"
+            stop._handle(signal.SIGTERM, None)
+            assert stop.requested == "Ctrl-C"
+            with pytest.raises(KeyboardInterrupt):
+                stop._handle(signal.SIGINT, None)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with _StopOnSignal() as stop:
+            stop._handle(signal.SIGTERM, None)
+            assert stop.requested == "SIGTERM"
+        with _StopOnSignal(enabled=False):
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with _StopOnSignal() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
@@ -289,8 +298,10 @@ def _train_cli(out: Path, steps: int, data: Path, cfg_file: Path) -> subprocess.
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     cmd = [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out", str(out),
            "--steps", str(steps), "--config", str(cfg_file)]
+    # Ctrl-C as at a terminal, even where this process ignores it (a background job: `nohup`, CI)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).parent.parent)
+                            cwd=Path(__file__).parent.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
 
 
 def _losses(out: Path) -> dict[int, float]:

@@ -262,7 +262,7 @@ class _StopOnSignal:
 
     `enabled` False (a multi-process job: processes stopping at different steps would deadlock in
     the save's collectives) leaves both signals as they are; such a job resumes from its last
-    periodic checkpoint."""
+    periodic checkpoint. An ignored SIGINT (a background job's) stays ignored."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.requested: str | None = None
@@ -271,7 +271,8 @@ class _StopOnSignal:
 
     def __enter__(self) -> _StopOnSignal:
         if self.enabled and threading.current_thread() is threading.main_thread():
-            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+            sigs = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+            self._old = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
