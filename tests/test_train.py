@@ -298,10 +298,14 @@ def _train_cli(out: Path, steps: int, data: Path, cfg_file: Path) -> subprocess.
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     cmd = [sys.executable, "-m", "train.main", "--init", "random:debug", "--data", str(data), "--out", str(out),
            "--steps", str(steps), "--config", str(cfg_file)]
-    # Ctrl-C as at a terminal, even where this process ignores it (a background job: `nohup`, CI)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).parent.parent,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    # Ctrl-C as at a terminal, even where this process ignores it (a background job: `nohup`, CI): an
+    # ignored signal stays ignored across exec, a handled one starts at its default
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=Path(__file__).parent.parent)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _losses(out: Path) -> dict[int, float]:
