@@ -62,10 +62,15 @@ WINDOW = 128  # values the window kernel carries
 TILE = (64, 128)  # rows, columns of W read by each of `inkernel`'s prefetch programs
 
 
+def _fma_chain(x: jax.Array, iters: int) -> jax.Array:
+    """The window's work: `iters` dependent multiply-adds on x."""
+    return lax.fori_loop(0, iters, lambda i, a: a * 0.999 + 0.001, x)
+
+
 def window(v: jax.Array, iters: int, interpret: bool) -> jax.Array:
     """`iters` dependent multiply-adds on v [WINDOW] float32 in one program: a latency-bound kernel."""
     def kernel(x_ref, o_ref):
-        o_ref[...] = lax.fori_loop(0, iters, lambda i, a: a * 0.999 + 0.001, x_ref[...])
+        o_ref[...] = _fma_chain(x_ref[...], iters)
 
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(v.shape, jnp.float32), name="window",
                           **call_options(interpret, num_warps=1, num_stages=1))(v)
@@ -84,7 +89,7 @@ def window_reading(v: jax.Array, iters: int, stack_LCO: jax.Array, layer: int, r
 
         @pl.when(pid == 0)
         def _():
-            o_ref[...] = lax.fori_loop(0, iters, lambda i, a: a * 0.999 + 0.001, x_ref[...])
+            o_ref[...] = _fma_chain(x_ref[...], iters)
 
         @pl.when(pid > 0)
         def _():
