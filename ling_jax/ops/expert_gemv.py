@@ -301,15 +301,16 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     s = c // bc
     bo = output_tile(m, s, o)
     base = index_operand([offset, 0 if extra_idx is None else extra_idx])
+    rows_op = index_operand(rows_M)
     partials = pl.pallas_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),
                           extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue, n_pro=len(pro)),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
-        in_specs=[whole(a) for a in (idx_M, base, rows_M, x_RC, *pro, *weights, *extra_arrays)],
+        in_specs=[whole(a) for a in (idx_M, base, rows_op, x_RC, *pro, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(idx_M.astype(jnp.int32), base, jnp.asarray(rows_M), x_RC, *pro, *weights, *extra_arrays)
+    )(idx_M.astype(jnp.int32), base, rows_op, x_RC, *pro, *weights, *extra_arrays)
     return tuple(partials)

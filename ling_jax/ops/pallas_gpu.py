@@ -61,12 +61,18 @@ def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
-def index_operand(values: list) -> np.ndarray | jax.Array:
-    """Scalar indices (ints, numpy or traced int32 scalars) as one int32 [n] kernel operand: a numpy
-    constant where every value is one (the unrolled decode step's layer indices: no launch to build
-    it), else stacked in XLA."""
+INDEX_SENTINEL = -1  # ends every static index operand; no kernel reads it (`index_operand`)
+
+
+def index_operand(values: list | np.ndarray) -> np.ndarray | jax.Array:
+    """Indices (ints, numpy or traced int32 scalars) as one int32 kernel operand, [n] or more: a
+    numpy constant where every value is one (the unrolled decode step's layer indices, a gemv's
+    static rows), else stacked in XLA. A constant ends with `INDEX_SENTINEL`, which no kernel reads:
+    XLA rewrites a constant whose values are all equal into a broadcast, and 0, 1, ..., n-1 into an
+    iota, and a custom call's operand must be materialised, so either would be a launch of its own
+    in every step (0.8-1.0 us each; a KDA layer's four equal layer indices were one per layer)."""
     if all(isinstance(v, (int, np.integer, np.ndarray)) for v in values):
-        return np.asarray(values, np.int32).reshape(len(values))
+        return np.append(np.asarray(values, np.int32).reshape(len(values)), np.int32(INDEX_SENTINEL))
     return jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in values])
 
 
