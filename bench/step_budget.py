@@ -3,10 +3,12 @@
     python3 bench/step_budget.py bench/results/decode_h200_b1_residual_shuffle_6b9ce3e_rejected_profile.json
 
 `bench/decode.py --profile DIR --profile-sequence N` records the first N launches of a profiled call
-in order (`device_profile`'s `sequence`). This script cuts one decode step out of it (from the launch
-after the longest gap, where the host hands the loop over, to the longest XLA launch after it, the
-lm_head; the loop's sampling and bookkeeping after the lm_head are left out) and sums its launches
-by kind: the weight-streaming gemv kernel, each other Pallas kernel, and every XLA launch together.
+in order (`device_profile`'s `sequence`). This script cuts one decode step out of it: from the first
+gemv after the longest gap (where the host hands the loop over) up to the next launch of that same
+kernel, the next step's first projection. So the step holds its layers, the lm_head (its longest XLA
+launch) and the loop's sampling, bookkeeping and cache writes, wherever XLA schedules them. It sums
+the launches by kind: the weight-streaming gemv kernel, each other Pallas kernel, the lm_head, and
+every other XLA launch together.
 It then sets the gemvs against their own floor (the step's weight bytes less the lm_head's, at the
 run's copy bandwidth) and gives the two bounds that say how far each part alone keeps the step
 from the HBM floor: the step with its gemvs at their floor and every other
@@ -32,15 +34,24 @@ PALLAS = re.compile(r"^(expert_gemv|kda_decode_layer|route_select|latent_attenti
 
 
 def one_step(sequence: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The launches of one decode step's layers and lm_head: after the sequence's longest gap, up to
-    and including the longest XLA launch that follows it."""
+    """The launches of one whole decode step, its lm_head last: from the first gemv at or after the
+    sequence's longest gap up to the next launch of the same kernel (the module doc)."""
     if len(sequence) < 3:
         raise ValueError(f"a sequence of {len(sequence)} launches holds no step")
-    start = max(range(1, len(sequence)), key=lambda i: sequence[i]["gap_us"])
-    xla = [i for i in range(start, len(sequence)) if kind(sequence[i]["name"]) == "xla"]
+    gap = max(range(1, len(sequence)), key=lambda i: sequence[i]["gap_us"])
+    start = next((i for i in range(gap, len(sequence)) if kind(sequence[i]["name"]) == GEMV), None)
+    if start is None:
+        raise ValueError(f"no {GEMV} launch follows the sequence's longest gap")
+    end = next((i for i in range(start + 1, len(sequence)) if sequence[i]["name"] == sequence[start]["name"]), None)
+    if end is None:
+        raise ValueError(f"the sequence ends before the next step's first launch ({sequence[start]['name']}): "
+                         "profile a longer one (bench/decode.py --profile-sequence)")
+    step = sequence[start:end]
+    xla = [e for e in step if kind(e["name"]) == "xla"]
     if not xla:
-        raise ValueError("no XLA launch (the lm_head) follows the sequence's longest gap")
-    return sequence[start:max(xla, key=lambda i: sequence[i]["us"]) + 1]
+        raise ValueError("the step has no XLA launch (the lm_head)")
+    lm_head = max(xla, key=lambda e: e["us"])
+    return [e for e in step if e is not lm_head] + [lm_head]
 
 
 def kind(name: str) -> str:

@@ -365,16 +365,20 @@ def test_span_fields_rate_the_span_against_the_floor():
 
 
 def test_step_budget_cuts_one_step_and_sets_the_gemvs_against_their_floor():
-    """One step: from the launch after the longest gap to the longest XLA launch after it (the lm_head,
-    not a longer Pallas kernel); launches summed by kind; the bounds from the run's floor."""
+    """One step: from the first gemv after the longest gap (not the sampling launches between) up to
+    that kernel's next launch, sampling and cache writes included wherever they run; its longest XLA
+    launch is the lm_head (not a longer Pallas kernel); launches summed by kind; the bounds from
+    the run's floor. A sequence that ends inside the step is refused."""
     from bench.step_budget import budget
 
     cfg = LingConfig.preset("debug")
     lm_head_bytes = 2 * cfg.vocab_size * cfg.hidden_size
-    seq = [("loop_pad_fusion", 300.0, 0.0), ("input_reduce_fusion", 1.0, 900.0),  # setup; the step after the gap
-           ("expert_gemv", 10.0, 0.0), ("loop_convert_fusion_14", 1.0, 0.0), ("kda_decode_layer__2", 4.0, 0.0),
+    seq = [("loop_pad_fusion", 300.0, 0.0), ("loop_dynamic_update_slice_fusion", 1.0, 900.0),  # setup; the gap
+           ("input_reduce_fusion", 1.0, 0.0), ("expert_gemv", 10.0, 0.0),  # sampling, then the step
+           ("loop_convert_fusion_14", 1.0, 0.0), ("kda_decode_layer__2", 4.0, 0.0),
            ("expert_gemv__16", 5.0, 0.0), ("latent_attention__1", 200.0, 0.0), ("route_select__3", 3.0, 0.0),
-           ("gemm_fusion_dot_44", 100.0, 0.0), ("input_reduce_select_fusion", 2.0, 0.0)]  # lm_head, then sampling
+           ("gemm_fusion_dot_44", 100.0, 0.0), ("input_reduce_select_fusion", 2.0, 0.0),  # lm_head, sampling
+           ("expert_gemv", 10.0, 0.0), ("loop_convert_fusion_14", 1.0, 0.0)]  # the next step
     run = {"batch": 1, "context": 1024, "hbm_floor_ms": 0.2,
            "bytes_per_step": {"weights": lm_head_bytes + 10e6}, "profile": {"ms_per_step_busy": 0.3, "sequence": [
                {"name": n, "us": us, "gap_us": gap} for n, us, gap in seq]}}
@@ -383,8 +387,11 @@ def test_step_budget_cuts_one_step_and_sets_the_gemvs_against_their_floor():
     assert b["by_kind"] == {"latent_attention": {"launches": 1, "us": 200.0},
                             "expert_gemv": {"launches": 2, "us": 15.0},
                             "kda_decode_layer": {"launches": 1, "us": 4.0},
-                            "route_select": {"launches": 1, "us": 3.0}, "xla": {"launches": 2, "us": 2.0}}
+                            "route_select": {"launches": 1, "us": 3.0}, "xla": {"launches": 2, "us": 3.0}}
     assert b["gemv_floor_us"] == pytest.approx(10.0) and b["gemv_x_floor"] == pytest.approx(1.5)
-    assert b["launch_time_us"] == pytest.approx(324.0) and b["launches_x_floor"] == pytest.approx(324 / 200)
-    assert b["gemvs_at_floor_x"] == pytest.approx(319 / 200)
+    assert b["launch_time_us"] == pytest.approx(325.0) and b["launches_x_floor"] == pytest.approx(325 / 200)
+    assert b["gemvs_at_floor_x"] == pytest.approx(320 / 200)
     assert b["only_weight_reads_x"] == pytest.approx(115 / 200)
+    run["profile"]["sequence"] = run["profile"]["sequence"][:-2]
+    with pytest.raises(ValueError, match="profile a longer one"):
+        budget(run, "debug", bandwidth_gbps=1000.0)
