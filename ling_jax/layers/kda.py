@@ -24,6 +24,7 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, supports
+from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.layer_gemv import FUSED_INPUT, WeightStack, column_starts, linear, pad_columns
 from ling_jax.ops.short_conv import conv_silu, conv_silu_parts
 from ling_jax.ops.short_conv import supports as conv_supports
@@ -118,6 +119,7 @@ def _proj(x: jax.Array, p: dict[str, Any], name: str) -> jax.Array:
 
 
 FUSED_CONV = "qkv_conv"  # the decode params' q|k|v conv weights stacked [3P, W] (`fuse_input_projections`)
+PREFETCH_O_PROJ = True  # the decode step's recurrence kernel reads o_proj into L2 (`ops.l2_prefetch`)
 
 
 def _input_projections(p: dict[str, Any]) -> list[str]:
@@ -169,7 +171,8 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
     (`fuse_input_projections`): q|k|v, f and the beta logits are read by column from the fused
     projection's output, f through its second low-rank factor where the gates are low-rank. With the
     output norm's weight and o_proj as stack views (the unrolled decode step), o_proj's kernel applies
-    the gated output norm as it reads o (`expert_gemv.GatedRows`); else XLA does."""
+    the gated output norm as it reads o (`expert_gemv.GatedRows`); else XLA does. With o_proj as a
+    stack view, the recurrence's launch reads it into L2 for that kernel (`ops.l2_prefetch`)."""
     b, h, dh = x_B1D.shape[0], cfg.num_attention_heads, cfg.head_dim
     s = _input_starts(p)
     with jax.named_scope("qkv"):
@@ -177,8 +180,11 @@ def kda_decode_mixer(p: dict[str, Any], x_B1D: jax.Array | NormedRows, cache: Kd
         f = (y_BO, s[3]) if "f_proj" in p else (linear(y_BO[:, s[3]:s[4]], p["f_b_proj"]), 0)
         z = (y_BO, s[4]) if "g_proj" in p else (linear(y_BO[:, s[4]:s[5]], p["g_b_proj"]), 0)  # (holder, column)
     with jax.named_scope("recurrence"):
+        w_o = p["o_proj"]
+        prefetch = (Prefetch(w_o.stack, (w_o.layer,)),) if PREFETCH_O_PROJ and isinstance(w_o, WeightStack) else ()
         o_BHV, ss_BHJ, new = kda_decode_layer(Inputs(qkv=(y_BO, 0), f=f, b=(y_BO, s[5])), cache, p[FUSED_CONV],
-                                              p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound)
+                                              p["A_log"], p["dt_bias"], lower_bound=cfg.kda_lower_bound,
+                                              prefetch=prefetch)
     norm_w, o_BX = p["o_norm"], o_BHV.reshape(b, h * dh)
     if isinstance(norm_w, WeightStack) and isinstance(p["o_proj"], WeightStack):  # the norm in o_proj's kernel
         rows = GatedRows(o_BX, ss_BHJ, z[0], norm_w.stack, norm_w.layer, z[1], cfg.rms_norm_eps)

@@ -12,10 +12,11 @@ Measured on an H200 (`bench/l2_window.py --forms inkernel`, BENCHMARKS.md): a on
 weights streamed through it with `evict_first` (the gemv kernel's policy). Reading more than the
 window hides costs more than it saves: 15.7 MB grew the same kernel by 2.2 us for 1.7 us saved.
 
-How a kernel with a 1-D grid of `n` programs takes them: `slabs, kept = plan(prefetch)`; grid
-`n + programs(slabs)`; operands `operands(kept)` after its own (`in_specs`); one more output
-`scratch(n, slabs)` with `scratch_spec()`; its body runs its own work under `program_id < n` and
-`read(program_id - n, refs, scratch_ref, slabs)` else.
+How a kernel takes them: `slabs, kept = plan(prefetch)`; a grid with `programs(slabs)` more
+programs than its own (a 1-D grid: n + programs; a larger one: rounded up to whole rows); operands
+`operands(kept)` after its own (`in_specs`); one more output, `scratch(slabs)`; its body runs its own
+work in its own programs and `read(j, refs, scratch_ref, slabs)` in the others, j numbering them
+from 0.
 """
 
 from __future__ import annotations
@@ -88,18 +89,16 @@ def in_specs(ops: list[Any]) -> list[pl.BlockSpec]:
     return [whole(a) for a in ops]
 
 
-def scratch(n_main: int, slabs: tuple[Slab, ...]) -> jax.ShapeDtypeStruct:
-    """The scratch output: a float32 per program of the launch (the readers' tile maxima; unused)."""
-    return jax.ShapeDtypeStruct((n_main + programs(slabs),), jnp.float32)
-
-
-def scratch_spec() -> pl.BlockSpec:
-    """The scratch output's block: each program's own value."""
-    return pl.BlockSpec((1,), lambda i: (i,))
+def scratch(slabs: tuple[Slab, ...]) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
+    """The scratch output and its block: a float32 per reader (its tile's maximum; never used),
+    the whole array in every program, so that any grid can host the readers."""
+    a = jax.ShapeDtypeStruct((max(programs(slabs), 1),), jnp.float32)
+    return a, whole(a)
 
 
 def read(j: jax.Array, refs: list[Any], scratch_ref: Any, slabs: tuple[Slab, ...]) -> None:
-    """Program j of the readers: load its tile of its slab into L2 (`evict_last`) and keep its maximum."""
+    """Reader j: load its tile of its slab into L2 (`evict_last`) and store the tile's maximum. A j
+    past the plan's programs (a grid rounded up) reads nothing."""
     for s, (index_ref, stack_ref) in zip(slabs, zip(refs[::2], refs[1::2], strict=True), strict=True):
         @pl.when((j >= s.lo) & (j < s.hi))
         def _(s=s, index_ref=index_ref, stack_ref=stack_ref):
@@ -108,4 +107,4 @@ def read(j: jax.Array, refs: list[Any], scratch_ref: Any, slabs: tuple[Slab, ...
             lead = tuple(index_ref[i] for i in range(s.leading))
             tile_ref = stack_ref.at[(*lead, pl.ds(r * s.rows, s.rows), pl.ds(c * s.cols, s.cols))]
             tile = pltriton.load(tile_ref, eviction_policy="evict_last")
-            scratch_ref[...] = jnp.full((1,), jnp.max(tile.astype(jnp.float32)))
+            scratch_ref[pl.ds(j, 1)] = jnp.full((1,), jnp.max(tile.astype(jnp.float32)))

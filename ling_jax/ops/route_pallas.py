@@ -131,13 +131,14 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
     slabs, kept = l2_prefetch.plan(prefetch)
     extra = l2_prefetch.operands(kept)
     out = pl.BlockSpec((None, kp, 1), lambda i: (jnp.minimum(i, n - 1), 0, 0))
+    scratch = [l2_prefetch.scratch(slabs)] if slabs else []
     outs = pl.pallas_call(
         functools.partial(_kernel, n=n, slabs=slabs, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)]
-        + ([l2_prefetch.scratch(n, slabs)] if slabs else []),
+        + [a for a, _ in scratch],
         grid=(n + l2_prefetch.programs(slabs),),
         in_specs=[whole(logits), whole(layer), whole(bias_LE), *l2_prefetch.in_specs(extra)],
-        out_specs=[out, out] + ([l2_prefetch.scratch_spec()] if slabs else []),
+        out_specs=[out, out] + [spec for _, spec in scratch],
         name="route_select",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
     )(logits, jnp.asarray(layer), bias_LE, *extra)

@@ -13,6 +13,7 @@ from ling_jax.layers.kda import short_conv
 from ling_jax.ops.kda.decode import kda_decode_step
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer, supported
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.layer_gemv import WeightStack
 
 L, LAYER, W = 3, 1, 4
@@ -52,26 +53,31 @@ def _xla(c, lower_bound, h, d):
     (jnp.float32, 1e-5, 3, 3, 16, None, False),  # odd rows and heads, the Kimi gate, inputs apart
     (jnp.bfloat16, 1e-2, 3, 3, 16, -5.0, False),
 ])
-def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_equals_the_xla_form(dtype, tol, b, h, d, lower_bound, views, prefetch):
     """Random (non-zero) inputs, state and window; the inputs in one fused array at their offsets or
-    (views=False) f and z from arrays of their own; the weights as stack views or the layer's own."""
+    (views=False) f and z from arrays of their own; the weights as stack views or the layer's own;
+    with `prefetch`, more rows of programs read an output projection's slab into L2 (a part row of
+    them reads nothing) and the results do not change."""
     c = _case(d + h, b, h, d, dtype)
+    o_proj = jnp.asarray(np.random.default_rng(5).standard_normal((L, h * d, 3 * 64)), dtype)
     p = h * d
     o_want, s_want, w_want = _xla(c, lower_bound, h, d)
     cache = KdaCacheStack(c["state"], c["conv"], jnp.int32(LAYER))
     names = ("conv_w", "a_log", "dt_bias")
 
     @jax.jit
-    def run(y, cache, stacks):
+    def run(y, cache, stacks, o_proj):
+        pre = (Prefetch(o_proj, (jnp.int32(LAYER),)),) if prefetch else ()
         if views:  # one fused array at its offsets, the weights as views of their stacks
             inputs = Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 4 * p))
             weights = [WeightStack(a, np.int32(LAYER)) for a in stacks]
         else:
             inputs = Inputs(qkv=(y[:, : 3 * p], 0), f=(y[:, 3 * p : 4 * p], 0), b=(y, 4 * p))
             weights = [a[LAYER] for a in stacks]
-        return kda_decode_layer(inputs, cache, *weights, lower_bound=lower_bound)
+        return kda_decode_layer(inputs, cache, *weights, lower_bound=lower_bound, prefetch=pre)
 
-    o, ss, new = run(c["y"], cache, [c[n] for n in names])
+    o, ss, new = run(c["y"], cache, [c[n] for n in names], o_proj)
     assert o.dtype == dtype and o.shape == (b, h, d)
     assert rel_l2(o, o_want) < tol
     j = ss.shape[-1]  # each program's sum of squares of its block of o (the gated norm's, in o_proj's gemv)
@@ -100,17 +106,19 @@ def test_bad_shapes_raise():
 
 
 def test_triton_lowering(h200_lowering):
-    """Lowers to Triton for an H200 at Ling-3.0-tiny's layer (16 heads of 128, conv width 4), bf16."""
+    """Lowers to Triton for an H200 at Ling-3.0-tiny's layer (16 heads of 128, conv width 4), bf16,
+    reading its output projection into L2."""
     sd = jax.ShapeDtypeStruct
     h, d, p = 16, 128, 2048
 
-    def fn(y, state, conv, conv_w, a_log, dt_bias):
+    def fn(y, state, conv, conv_w, a_log, dt_bias, o_proj):
         inputs = Inputs(qkv=(y, 0), f=(y, 3 * p), b=(y, 5 * p))
         views = [WeightStack(a, np.int32(2)) for a in (conv_w, a_log, dt_bias)]
         return kda_decode_layer(inputs, KdaCacheStack(state, conv, np.int32(2)), *views, lower_bound=-5.0,
-                                interpret=False)
+                                interpret=False, prefetch=(Prefetch(o_proj, (np.int32(2),)),))
 
     bf = jnp.bfloat16
     mlir = h200_lowering(fn, sd((1, 5 * p + 128), bf), sd((18, 1, h, d, d), jnp.float32), sd((18, 1, 3, 3 * p), bf),
-                         sd((18, 3 * p, 4), bf), sd((18, h), jnp.float32), sd((18, p), jnp.float32))
+                         sd((18, 3 * p, 4), bf), sd((18, h), jnp.float32), sd((18, p), jnp.float32),
+                         sd((18, p, 1536), bf))
     assert "triton" in mlir

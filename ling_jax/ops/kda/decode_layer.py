@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from ling_jax.ops import l2_prefetch
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, index_operand, is_pow2, whole
@@ -75,12 +76,30 @@ def _stack(w: jax.Array | WeightStack) -> tuple[jax.Array, jax.Array | np.intege
     return w[None], np.int32(0)
 
 
-def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, width: int, bv: int,
-            scale: float, lower_bound: float | None):
-    f32 = jnp.float32
-    srcs = refs[:n_src]
-    conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref, o_ref, ss_ref, state_out, win_out = refs[n_src:]
+def _kernel(idx_ref, *refs, n_src: int, slabs: tuple[l2_prefetch.Slab, ...], **kw):
+    """Rows [0, B) of the grid run the layer's step; the rows after them read the prefetch slabs."""
+    n_pre = 2 * len(slabs)
+    srcs, (conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref) = refs[:n_src], refs[n_src + n_pre:n_src + n_pre + 5]
+    pre_refs, outs = refs[n_src:n_src + n_pre], refs[n_src + n_pre + 5:]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    step = functools.partial(_step, b, h, j, idx_ref, srcs, conv_w_ref, a_log_ref, dt_ref, state_ref, win_ref,
+                             *outs[:4], **kw)
+    if not slabs:
+        step()
+        return
+    bsz, heads, blocks = state_ref.shape[1], state_ref.shape[2], kw["dv"] // kw["bv"]
+    pl.when(b < bsz)(step)
+
+    @pl.when(b >= bsz)
+    def _():
+        l2_prefetch.read(((b - bsz) * heads + h) * blocks + j, pre_refs, outs[4], slabs)
+
+
+def _step(b: jax.Array, h: jax.Array, j: jax.Array, idx_ref, srcs, conv_w_ref, a_log_ref, dt_ref, state_ref,
+          win_ref, o_ref, ss_ref, state_out, win_out, *, roles: tuple, p: int, dk: int, dv: int, width: int, bv: int,
+          scale: float, lower_bound: float | None):
+    """Program (b, h, j): row b's head h, state columns [j bv, (j + 1) bv)."""
+    f32 = jnp.float32
     lc, lw, la, ld = (idx_ref[i] for i in range(4))
     (sq, oq), (sf, of), (sb, ob) = roles
     dtype = o_ref.dtype
@@ -119,6 +138,7 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
 def kda_decode_layer(
     inputs: Inputs, cache: KdaCacheStack, conv_w: jax.Array | WeightStack, a_log: jax.Array | WeightStack,
     dt_bias: jax.Array | WeightStack, *, lower_bound: float | None, interpret: bool | None = None,
+    prefetch: tuple[l2_prefetch.Prefetch, ...] = (),
 ) -> tuple[jax.Array, jax.Array, KdaCacheStack]:
     """One token per row through a KDA layer's conv, gate and recurrence: (o [B, H, V] in the
     activation dtype, before the output norm; o's sums of squares [B, H, J] float32 over each of a
@@ -130,6 +150,8 @@ def kda_decode_layer(
     view. The state stack must be float32; the window stack is in the activation dtype. Programs
     run over (row, head, block of V columns), each recomputing its head's q and k (a few hundred
     values) so that one row keeps ~128 programs busy. `interpret` defaults to True off GPU.
+    `prefetch`: weight slabs that more rows of programs read into L2 meanwhile (`ops.l2_prefetch`:
+    the output projection that reads o next).
     """
     bsz, h, dk, dv = cache.state.shape[1:5]
     w = cache.conv.shape[2] + 1
@@ -149,19 +171,23 @@ def kda_decode_layer(
     stacks = [_stack(x) for x in (conv_w, a_log, dt_bias)]
     layers = [cache.layer, *(layer for _, layer in stacks)]
     idx = index_operand(layers)
-    operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
+    slabs, kept = l2_prefetch.plan(prefetch)
+    operands = [idx, *arrays, *l2_prefetch.operands(kept), *(s for s, _ in stacks), cache.state, cache.conv]
     bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
+    readers = -(-l2_prefetch.programs(slabs) // (h * (dv // bv)))  # rows of the grid after the batch's
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
-    o, ss, state, window = pl.pallas_call(
-        functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
-                          dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
+    scratch = [l2_prefetch.scratch(slabs)] if slabs else []
+    o, ss, state, window, *_ = pl.pallas_call(
+        functools.partial(_kernel, n_src=len(arrays), slabs=slabs,
+                          roles=tuple((slot[id(a)], col) for a, col in roles), p=p, dk=dk, dv=dv, width=w, bv=bv,
+                          scale=dk**-0.5, lower_bound=lower_bound),
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct((bsz, h, dv // bv), jnp.float32),
                    jax.ShapeDtypeStruct(cache.state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype)],
-        grid=(bsz, h, dv // bv),
+                   jax.ShapeDtypeStruct(cache.conv.shape[1:], cache.conv.dtype), *(a for a, _ in scratch)],
+        grid=(bsz + readers, h, dv // bv),
         in_specs=[whole(a) for a in operands],
         out_specs=[vec, pl.BlockSpec((bsz, h, dv // bv), lambda *_: (0, 0, 0)), whole(cache.state),
-                   pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
+                   pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0)), *(spec for _, spec in scratch)],
         input_output_aliases={len(operands) - 2: 2},
         name="kda_decode_layer",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
