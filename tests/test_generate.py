@@ -167,8 +167,9 @@ def test_pallas_decode_kernels_in_the_decode_step(debug_model, unroll, monkeypat
 def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     """With the fused decode params and a shared expert as wide as the routed ones, the unrolled
     gemv step runs the shared expert as one more copy per token in the routed launches
-    (`ops.moe.SharedStacks`, read from its stack) and gives the XLA step's logits and caches."""
-    from ling_jax.ops import expert_gemv
+    (`ops.moe.SharedStacks`, read from its stack), the selection launch before them reads its two
+    slabs into L2 (`ops.l2_prefetch`), and the step gives the XLA step's logits and caches."""
+    from ling_jax.ops import expert_gemv, route_pallas
 
     cfg = LingConfig.preset("debug", moe_shared_expert_intermediate_size=16, num_hidden_layers=6)
     params = init_params(cfg, seed=7)
@@ -180,6 +181,10 @@ def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     real = expert_gemv.gathered_products
     monkeypatch.setattr(expert_gemv, "gathered_products",
                         lambda *a, **k: extras.append([w.shape for w, _ in k.get("extra", ())]) or real(*a, **k))
+    prefetched = []
+    real_select = route_pallas._select
+    monkeypatch.setattr(route_pallas, "_select", lambda *a: prefetched.append(
+        [(p.stack.shape, len(p.index)) for p in a[7]]) or real_select(*a))
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
     c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
     assert rel_l2(got, want) < 1e-5
@@ -189,6 +194,8 @@ def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     d, i = cfg.hidden_size, cfg.moe_intermediate_size
     assert len(extras) >= 2 * n_moe and all(e for e in extras)  # every launch carried the shared expert
     assert {s[1:] for e in extras for s in e} == {(d, 2 * i), (i, d)}  # its fused gate|up and its down
+    assert len(prefetched) >= n_moe and all(  # every selection read the same two slabs of their stacks
+        [(s[2:], n) for s, n in p] == [((d, 2 * i), 2), ((i, d), 2)] for p in prefetched)
 
 
 @pytest.mark.heavy

@@ -41,6 +41,7 @@ from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.layers.mlp import mlp
 from ling_jax.ops.expert_gemv import NormedRows, dense
+from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.layer_gemv import WeightStack, partial_products
 from ling_jax.ops.moe import (
     EXPERT_LEAVES,
@@ -55,6 +56,9 @@ from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import combine_weights, select_experts
 
 ROUTE_KERNEL_MAX_TOKENS = 512  # up to this many tokens per call `route` may select in the Pallas kernel
+# the decode step's selection kernel reads the stacked shared expert into L2 for the gemvs after it
+# (`ops.l2_prefetch`)
+PREFETCH_SHARED = True
 
 
 def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
@@ -79,7 +83,7 @@ def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
 
 
 def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bias_E: jax.Array | WeightStack,
-          cfg: LingConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+          cfg: LingConfig, prefetch: tuple[Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
 
     Selection ranks `sigmoid(logits) + bias`: groups by the sum of their top-2, the best
@@ -88,7 +92,8 @@ def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bi
     Where `route_kernel` says so, everything after the router matmul is one Pallas kernel. The
     batch-1 decode step passes the router and the bias as `WeightStack`s (`model.run_stack`): the
     router matmul is then the gemv kernel's, in float32, and the selection kernel adds its partial
-    sums and reads the bias in place (`ops.route_pallas`).
+    sums and reads the bias in place (`ops.route_pallas`), and its launch reads the `prefetch` slabs
+    into L2 (`ops.l2_prefetch`; elsewhere they are ignored).
     """
     n, e = x_ND.shape[0], w_router_DE.shape[1]
     if isinstance(w_router_DE, WeightStack):
@@ -98,8 +103,10 @@ def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bi
         logits_SNE = logits_NE = jnp.matmul(dense(x_ND).astype(jnp.float32), w_router_DE.astype(jnp.float32),
                                             precision=router_precision())
     if route_kernel(cfg, n):
+        if prefetch and logits_SNE.ndim == 2:  # the decode step's form (stacks come only in decode steps)
+            logits_SNE = logits_SNE[None]
         idx_NK, w_NK = select_experts(logits_SNE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)
+                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch)
         return idx_NK, w_NK, logits_NE
     if isinstance(bias_E, WeightStack):
         bias_E = bias_E.value()
@@ -179,12 +186,14 @@ def moe(p: dict[str, Any], x: jax.Array | NormedRows, *, cfg: LingConfig, limit:
     call (the global batch under a mesh) — what the aux-loss-free bias update needs.
     """
     x_ND = x.reshape(-1, x.shape[-1])
-    with jax.named_scope("router"):
-        idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg)
-    mesh = sharding.context_mesh()
-    shared = None  # the decode step's stacked shared expert: it runs with the routed ones
+    shared, prefetch = None, ()  # the decode step's stacked shared expert: it runs with the routed ones
     if isinstance(p.get("shared_gate_up_proj"), ExpertStack):
         shared = SharedStacks(p["shared_gate_up_proj"], p["shared_down_proj"], jnp.asarray(shared_limit, jnp.float32))
+        if PREFETCH_SHARED:
+            prefetch = tuple(Prefetch(w.stack, (w.layer, 0)) for w in (shared.gate_up, shared.down))
+    with jax.named_scope("router"):
+        idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg, prefetch)
+    mesh = sharding.context_mesh()
     with jax.named_scope("routed"):
         if not sharding.multi_device(mesh):
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from ling_jax.ops import l2_prefetch
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis, whole
 
@@ -48,10 +49,27 @@ def combine_weights(scores_NE: jax.Array, idx_NK: jax.Array, scale: float) -> ja
     return w_NK * scale
 
 
-def _kernel(logits_ref, layer_ref, bias_ref, idx_ref, w_ref, *, e: int, n_group: int, topk_group: int, k: int,
-            scale: float):
+def _kernel(logits_ref, layer_ref, bias_ref, *refs, n: int, slabs: tuple[l2_prefetch.Slab, ...], **kw):
+    """Programs [0, n) select row program_id's experts; the ones after read the prefetch slabs."""
+    pre_refs, out_refs = refs[:2 * len(slabs)], refs[2 * len(slabs):]
+    if not slabs:
+        _select_row(pl.program_id(0), logits_ref, layer_ref, bias_ref, *out_refs, **kw)
+        return
+    pid = pl.program_id(0)
+
+    @pl.when(pid < n)
+    def _():
+        _select_row(pid, logits_ref, layer_ref, bias_ref, *out_refs[:2], **kw)
+
+    @pl.when(pid >= n)
+    def _():
+        l2_prefetch.read(pid - n, pre_refs, out_refs[2], slabs)
+
+
+def _select_row(pid: jax.Array, logits_ref, layer_ref, bias_ref, idx_ref, w_ref, *, e: int, n_group: int,
+                topk_group: int, k: int, scale: float) -> None:
     f32, ninf = jnp.float32, -jnp.inf
-    row = pl.ds(pl.program_id(0), 1)
+    row = pl.ds(pid, 1)
     # [1, Ep]: the sum of the S partial sums, unrolled so that every load is issued before the adds
     # wait on them (a loop would pay the memory latency S times over)
     logits = functools.reduce(jnp.add, [logits_ref[j, row, :] for j in range(logits_ref.shape[0])])
@@ -95,7 +113,8 @@ def _kernel(logits_ref, layer_ref, bias_ref, idx_ref, w_ref, *, e: int, n_group:
 
 
 def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, topk_group: int, k: int,
-            scale: float, interpret: bool | None) -> tuple[jax.Array, jax.Array]:
+            scale: float, interpret: bool | None,
+            prefetch: tuple[l2_prefetch.Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array]:
     n, e = logits_SNE.shape[1:]
     ep, kp = next_pow2(e), next_pow2(k)
     logits = pad_axis(logits_SNE.astype(jnp.float32), 2, ep)
@@ -107,28 +126,37 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
         if ep > e:
             bias_LE = jnp.pad(bias_LE, ((0, 0), (0, ep - e)), constant_values=-jnp.inf)
     # one token per program: the rounds of the kernel are a serial chain; rows in parallel fill the GPU.
-    # Each program writes its row's choices as a [kp, 1] column (the layout the kernel computes them in)
-    out = pl.BlockSpec((None, kp, 1), lambda i: (i, 0, 0))
-    idx, w = pl.pallas_call(
-        functools.partial(_kernel, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
-        out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)],
-        grid=(n,),
-        in_specs=[whole(logits), whole(layer), whole(bias_LE)],
-        out_specs=[out, out],
+    # Each program writes its row's choices as a [kp, 1] column (the layout the kernel computes them in);
+    # the prefetch programs after them (`ops.l2_prefetch`) write only their scratch value
+    slabs, kept = l2_prefetch.plan(prefetch)
+    extra = l2_prefetch.operands(kept)
+    out = pl.BlockSpec((None, kp, 1), lambda i: (jnp.minimum(i, n - 1), 0, 0))
+    scratch = [l2_prefetch.scratch(slabs)] if slabs else []
+    outs = pl.pallas_call(
+        functools.partial(_kernel, n=n, slabs=slabs, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
+        out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)]
+        + [a for a, _ in scratch],
+        grid=(n + l2_prefetch.programs(slabs),),
+        in_specs=[whole(logits), whole(layer), whole(bias_LE), *l2_prefetch.in_specs(extra)],
+        out_specs=[out, out] + [spec for _, spec in scratch],
         name="route_select",
         **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
-    )(logits, jnp.asarray(layer), bias_LE)
+    )(logits, jnp.asarray(layer), bias_LE, *extra)
+    idx, w = outs[:2]
     return idx[:, :k, 0], w[:, :k, 0]
 
 
 def select_experts(logits_NE: jax.Array, bias_E: jax.Array | WeightStack, *, n_group: int, topk_group: int,
-                   k: int, scale: float, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                   k: int, scale: float, interpret: bool | None = None,
+                   prefetch: tuple[l2_prefetch.Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] float32) from router logits [N, E] and the
     selection bias [E]: `layers.moe.route`'s selection (module doc). E must be divisible by n_group;
     `interpret` defaults to True off GPU. Differentiable in the logits (the bias only ranks).
 
     Or, in a decode step (no gradient), logits as [S, N, E] partial sums to add and the bias as a
-    `WeightStack` of [E] rows (module doc)."""
+    `WeightStack` of [E] rows (module doc); there `prefetch` names weight slabs that the launch reads
+    into L2 while its rows are selected (`ops.l2_prefetch`: the shared expert that the next launch
+    reads)."""
     e = logits_NE.shape[-1]
     if e % n_group or e // n_group < 2 or not 0 < topk_group <= n_group or not 0 < k <= topk_group * (e // n_group):
         raise ValueError(f"select_experts: E={e}, n_group={n_group}, topk_group={topk_group}, k={k}: need E "
@@ -136,7 +164,9 @@ def select_experts(logits_NE: jax.Array, bias_E: jax.Array | WeightStack, *, n_g
                          "0 < k <= topk_group * E / n_group")
     if logits_NE.ndim == 3 or isinstance(bias_E, WeightStack):
         logits_SNE = logits_NE if logits_NE.ndim == 3 else logits_NE[None]
-        return _select(logits_SNE, bias_E, n_group, topk_group, k, scale, interpret)
+        return _select(logits_SNE, bias_E, n_group, topk_group, k, scale, interpret, prefetch)
+    if prefetch:
+        raise ValueError("select_experts: prefetch is for a decode step's selection ([S, N, E] partial sums)")
     return _select_vjp(logits_NE, bias_E, n_group, topk_group, k, scale, interpret)
 
 

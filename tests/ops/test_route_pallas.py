@@ -12,6 +12,7 @@ import pytest
 
 from ling_jax.config import LingConfig
 from ling_jax.layers.moe import ROUTE_KERNEL_MAX_TOKENS, route, route_kernel
+from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.layer_gemv import WeightStack
 from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import select_experts
@@ -83,6 +84,25 @@ def test_decode_form_reads_router_and_bias_from_their_stacks(n, e, g, tg, k, lay
     np.testing.assert_array_equal(w_s, w_r)
 
 
+def test_decode_form_with_prefetch_selects_the_same():
+    """The decode form's launch with prefetch programs (the stacked shared expert's slabs, as the MoE
+    passes them) selects what it selects without them; the tensor-shaped form refuses them."""
+    n, e, g, tg, k = CASES[0]
+    rng = np.random.default_rng(7)
+    parts = jnp.asarray(rng.standard_normal((4, n, e)), jnp.float32)
+    bias = WeightStack(jnp.asarray(rng.standard_normal((3, e)) * 0.1, jnp.float32), np.int32(1))
+    gate_up = jnp.asarray(rng.standard_normal((3, 1, 64, 128)), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((3, 1, 64, 64)), jnp.bfloat16)
+    kw = dict(n_group=g, topk_group=tg, k=k, scale=2.5)
+    want = select_experts(parts, bias, **kw)
+    got = jax.jit(lambda parts, gu, d, layer: select_experts(
+        parts, bias, prefetch=(Prefetch(gu, (layer, 0)), Prefetch(d, (layer, 0))), **kw))(parts, gate_up, down, 2)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="prefetch is for a decode step"):
+        select_experts(parts[0], bias.value(), prefetch=(Prefetch(gate_up, (0, 0)),), **kw)
+
+
 def test_nan_scores_still_choose_real_experts():
     """A NaN router logit (a broken model) must not send the gemv kernel past the expert stack:
     NaN scores rank last, so every index stays in [0, E) (E padded to a power of two here)."""
@@ -139,3 +159,11 @@ def test_triton_lowering(h200_lowering):
                               interpret=False)
 
     assert "triton" in h200_lowering(decode_form, sd((24, 1, 128), jnp.float32), sd((23, 128), jnp.float32))
+
+    def with_prefetch(parts, bias_stack, gate_up, down):  # the shared expert's slabs, as the MoE passes them
+        return select_experts(parts, WeightStack(bias_stack, np.int32(3)), n_group=8, topk_group=4, k=8, scale=2.5,
+                              interpret=False, prefetch=(Prefetch(gate_up, (np.int32(3), 0)),
+                                                         Prefetch(down, (np.int32(3), 0))))
+
+    assert "triton" in h200_lowering(with_prefetch, sd((24, 1, 128), jnp.float32), sd((23, 128), jnp.float32),
+                                     sd((23, 1, 1536, 1024), jnp.bfloat16), sd((23, 1, 512, 1536), jnp.bfloat16))
