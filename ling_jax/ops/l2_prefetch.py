@@ -11,6 +11,10 @@ Measured on an H200 (`bench/l2_window.py --forms inkernel`, BENCHMARKS.md): a on
 31.5 MB weight then took 9.25 instead of 10.29 us; what was read stayed in L2 while 42 MB of other
 weights streamed through it with `evict_first` (the gemv kernel's policy). Reading more than the
 window hides costs more than it saves: 15.7 MB grew the same kernel by 2.2 us for 1.7 us saved.
+In the batch-1 decode step on an H100 (two profiled processes, BENCHMARKS.md), the expert selection
+reading the stacked shared expert (4.7 MB, `layers.moe.PREFETCH_SHARED`) saved 12-13 us of busy
+time per step (-0.7 to -0.8%); the KDA layer kernel reading its layer's o_proj (6.3 MB) grew by 2.4
+us a launch for 1.8 us saved in the gemv, a loss, so no KDA kernel takes readers.
 
 How a kernel takes them: `slabs, kept = plan(prefetch)`; a grid with `programs(slabs)` more
 programs than its own (a 1-D grid: n + programs; a larger one: rounded up to whole rows); operands
