@@ -23,19 +23,17 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 Mixer = Literal["kda", "mla"]
 Ffn = Literal["dense", "moe"]
+# Implementation names (`ling_jax.kernels.select` resolves them; "auto": the fastest exact one there):
 KDA_IMPLS = ("auto", "reference", "chunked", "pallas")  # = ling_jax.ops.kda.api.IMPLS (tested)
 MOE_IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")  # = ling_jax.ops.moe.IMPLS (tested)
-# the decode step's attention ops: XLA (ops.mla_decode's blocked loop, ops.kda.decode's fused step)
-# or one Pallas kernel each (ops.latent_attention_pallas, kda_decode_step_pallas); "auto" picks the
-# kernels on a GPU where the widths allow (LingConfig.pallas_decode)
+# the decode step's attention ops: XLA, or one Pallas kernel each
 DECODE_IMPLS = ("auto", "xla", "pallas")
-# the MLA attention of prefill and training: the materialised XLA softmax (ops.attention) or the fused
-# flash kernels (ops.attention_pallas); "auto" picks the kernels on a GPU for 16-bit activations where
-# the head dims allow (LingConfig.pallas_attention)
+# the MLA attention of prefill and training: the materialised XLA softmax or the fused flash kernels
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
-# the widths each decode kernel needs as powers of two, with their least value (Triton tiles); "proj": the
-# batch-1 step's projections (`ops.layer_gemv`, which checks each weight's tiles itself)
-PALLAS_DECODE_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),), "proj": ()}
+# the widths the Pallas kernels need as powers of two, with their least value (Triton tiles): the
+# decode step's MLA and KDA kernels and the fused attention (= each kernel's `supported`, tested)
+PALLAS_WIDTHS = {"mla": (("kv_lora_rank", 1), ("qk_rope_head_dim", 1)), "kda": (("head_dim", 16),),
+                 "attention": (("qk_nope_head_dim", 16), ("qk_rope_head_dim", 16), ("v_head_dim", 16))}
 
 
 class ConfigError(ValueError):
@@ -210,37 +208,9 @@ class LingConfig:
     # the original JSON, kept to write it back on export (not compared, not hashed)
     hf_json: str = dataclasses.field(default="", compare=False, repr=False)
 
-    def _pallas_width(self, name: str, least: int) -> bool:
-        """Whether the width `name` is a power of two >= `least` (`PALLAS_DECODE_WIDTHS`)."""
-        v = getattr(self, name)
-        return v >= least and v & (v - 1) == 0
-
-    def pallas_decode(self, mixer: Mixer | Literal["proj"]) -> bool:
-        """Whether the decode step of `mixer` layers runs its Pallas kernel: decode_impl "pallas", or
-        "auto" on a GPU (`pallas_gpu.on_gpu`; under a multi-device mesh per shard) with the widths the
-        kernel takes (MLA: latent rank and rope width powers of two; KDA: head_dim a power of two
-        >= 16). Elsewhere the XLA form. "proj": the batch-1 step's projections (`ops.layer_gemv`; the
-        caller adds its own conditions, `model.run_stack`)."""
-        if self.decode_impl != "auto":
-            return self.decode_impl == "pallas"
-        from ling_jax.ops.pallas_gpu import on_gpu
-
-        return on_gpu() and all(self._pallas_width(n, least) for n, least in PALLAS_DECODE_WIDTHS[mixer])
-
-    def pallas_attention(self, dtype: Any) -> bool:
-        """Whether prefill/training MLA attention on activations of `dtype` runs the fused kernels
-        (`ops.attention_pallas`): attention_impl "pallas", or "auto" on a GPU (`pallas_gpu.on_gpu`; per
-        shard under a mesh) for 16-bit activations (the kernels' tiles are sized and timed for them)
-        with nope, rope and value head dims the kernels take. Elsewhere the XLA softmax."""
-        if self.attention_impl != "auto":
-            return self.attention_impl == "pallas"
-        import jax.numpy as jnp
-
-        from ling_jax.ops.attention_pallas import supported
-        from ling_jax.ops.pallas_gpu import on_gpu
-
-        return (on_gpu() and jnp.dtype(dtype).itemsize == 2
-                and supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim))
+    def pallas_widths(self, kernel: Literal["mla", "kda", "attention"]) -> bool:
+        """Whether the config's widths are what the Pallas `kernel` takes (`PALLAS_WIDTHS`)."""
+        return all((v := getattr(self, name)) >= least and v & (v - 1) == 0 for name, least in PALLAS_WIDTHS[kernel])
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -408,15 +378,12 @@ class LingConfig:
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.decode_impl in DECODE_IMPLS, "decode_impl", f"must be one of {DECODE_IMPLS}")
         need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"must be one of {ATTENTION_IMPLS}")
-        if self.attention_impl == "pallas":
-            from ling_jax.ops.attention_pallas import supported
-
-            need(supported(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim), "attention_impl",
-                 "'pallas' needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim powers of two >= 16")
+        need(self.attention_impl != "pallas" or self.pallas_widths("attention"), "attention_impl",
+             "'pallas' needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim powers of two >= 16")
         if self.decode_impl == "pallas":  # the kernels' tiles are powers of two (Triton), KDA's >= 16
-            for widths in PALLAS_DECODE_WIDTHS.values():
-                for name, least in widths:
-                    need(self._pallas_width(name, least), name,
+            for kernel in ("mla", "kda"):
+                for name, least in PALLAS_WIDTHS[kernel]:
+                    need(self.pallas_widths(kernel), name,
                          f"must be a power of two >= {least} for decode_impl='pallas'")
         if self._any_moe:
             e = self.num_experts

@@ -2,194 +2,28 @@
 
 Prompts of different lengths are right-padded into one batch; each row keeps its own length, so
 cache slot = position, padding never reaches a KDA state, conv window or attended latent, and a
-prompt's tokens do not depend on its neighbours. The decode loop runs entirely on device (no
-Python per token) on a donated cache: per step one token per row through every layer (KDA: one
-recurrent step; MLA: absorbed attention over the latent cache), sampling, stop handling.
+prompt's tokens do not depend on its neighbours. The decode loop (`ling_jax.decode.loop`) runs
+entirely on device (no Python per token) on a donated cache: per step `ling_jax.decode.decode_step`,
+sampling, stop handling.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import Cache, cache_length, place
-from ling_jax.checkpoint.fp8 import is_block_fp8
+from ling_jax.cache import cache_length
 from ling_jax.config import LingConfig
-from ling_jax.layers import kda, mla
-from ling_jax.layers.mlp import fuse_gate_up
-from ling_jax.layers.norms import rms_norm
-from ling_jax.layers.rope import rope_cos_sin
-from ling_jax.model import decoder_layer, embed, lm_head, make_context, run_stack, sequence_mixer
-from ling_jax.ops.moe import inference as moe_inference
-from ling_jax.params import Params, get_path, layer_stacks, set_path
-from ling_jax.sharding import context_mesh, multi_device, warn_without_mesh
-
-
-def _last(h_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def prefill(cfg: LingConfig, params: Params, ids_BT: jax.Array, lengths_B: jax.Array,
-            max_len: int) -> tuple[Cache, jax.Array]:
-    """Runs right-padded prompts, returns (cache for `max_len` tokens, logits of each row's last token).
-
-    ids: [B, T]; row b's prompt is ids[b, :lengths[b]]. KDA layers keep their final state and the
-    conv window of the last real token; MLA layers write their latent rows into slots [0, T).
-    """
-    b, t = ids_BT.shape
-    slots = cache_length(max_len)
-    valid = jnp.arange(t)[None, :] < lengths_B[:, None]
-    ctx = make_context(cfg, ids_BT, attention_mask=valid)
-    mix = sequence_mixer(cfg, ctx)
-
-    def layer(p, x, lim, _, mixer, ffn):
-        x, c, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
-        if mixer == "mla":
-            n = min(t, slots)  # the prompt bucket may outgrow the cache; rows past every length are padding
-            c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :n].set(c["latent"][:, :n])}
-        return x, c
-
-    with moe_inference():  # nothing differentiates a prefill
-        x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
-    h = rms_norm(_last(x, lengths_B), params["final_norm"], cfg.rms_norm_eps)
-    return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
-
-
-def decode_step(cfg: LingConfig, params: Params, cache: Cache, tokens_B: jax.Array,
-                unroll: bool = True) -> tuple[Cache, jax.Array]:
-    """One token per row at position cache["lengths"]: (updated cache, logits [B, V] float32).
-
-    `unroll`: the layer scans unrolled (see `run_stack`)."""
-    lengths = cache["lengths"]
-    cos, sin = rope_cos_sin(lengths[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
-
-    def mix(p, h_B1D, mixer, c):
-        if mixer == "kda":
-            return kda.kda_mixer(p, h_B1D, cfg=cfg, cache=c)
-        out_BD, row_BW = mla.mla_decode(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, cos=cos, sin=sin)
-        return out_BD[:, None], row_BW
-
-    def layer(p, x, lim, c, mixer, ffn):
-        x, new, _ = decoder_layer(p, x, lim, cfg=cfg, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))
-        return x, new
-
-    with moe_inference():
-        x, new = run_stack(cfg, params, embed(params, tokens_B[:, None]), layer, caches=cache["segments"],
-                           unroll=unroll)
-    # the cache writes below wait for the last layer: else XLA may schedule a segment's latent write
-    # before that segment's attention has read the cache, and then copies the whole cache to keep the
-    # old rows (H200, batch 128, 33k slots: 2 x 5 GB per step)
-    x, new = jax.lax.optimization_barrier((x, new))
-    rows = jnp.arange(tokens_B.shape[0])
-
-    def merge(seg_cache: dict, seg_new: Any) -> dict:
-        if "latent" in seg_cache:  # scatter the new latent row of every layer into slot `lengths`
-            return {"latent": seg_cache["latent"].at[:, rows, lengths].set(seg_new)}
-        return seg_new
-
-    with jax.named_scope("cache_write"):
-        segs = []
-        for seg, c, y in zip(cfg.segments, cache["segments"], new, strict=True):
-            segs.append(merge(c, y) if seg.kind == "run" else {k: merge(c[k], y[k]) for k in c})
-    with jax.named_scope("lm_head"):
-        logits = lm_head(cfg, params, rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps))
-    return place({"segments": segs, "lengths": lengths + 1}), logits
-
-
-def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
-    """Next token per row: greedy when temperature == 0, else top-k / top-p filtered sampling, row b
-    drawing with `fold_in(keys_B[b], step)` (its own key: its draws do not depend on its batch)."""
-    greedy = jnp.argmax(logits_BV, axis=-1)
-
-    def sampled() -> jax.Array:
-        logits = logits_BV / jnp.maximum(temperature, 1e-6)
-        srt = jnp.sort(logits, axis=-1)[:, ::-1]
-        kth = jnp.where(top_k > 0, jnp.take(srt, jnp.clip(top_k - 1, 0, srt.shape[-1] - 1), axis=-1), -jnp.inf)
-        probs = jax.nn.softmax(jnp.where(srt >= kth[:, None], srt, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        keep = (before < top_p) & (srt >= kth[:, None])
-        cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
-        masked = jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
-        return jax.vmap(jax.random.categorical)(keys, masked)
-
-    return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
-
-
-def fuse_for_decode(cfg: LingConfig, params: Params) -> Params:
-    """`params` with the weights that multiply the same input also side by side in one matrix: each
-    KDA layer's six input projections (`layers.kda.fuse_input_projections`), each MLA layer's three
-    (`layers.mla.fuse_input_projections`) and each MLP's or shared expert's gate and up projections
-    (`layers.mlp.fuse_gate_up`). A batch-1 Ling-3.0-tiny step then launches 18 products instead of
-    108 for the KDA inputs, 6 instead of 18 for the MLA inputs and 24 instead of 48 for the shared
-    experts. Made inside the decode loop's jit, once per call (a second copy of those weights
-    meanwhile). Unchanged under a multi-device mesh (the concatenation would regather sharded
-    columns); FP8-resident weights are left separate (it would dequantize them)."""
-    if multi_device(context_mesh()):
-        return params
-    new = jax.tree.map(lambda x: x, params, is_leaf=is_block_fp8)  # fresh containers: set_path below mutates
-
-    def fuse(path: tuple, fn: Callable[[dict], dict]) -> None:
-        set_path(new, path, fn(get_path(new, path)))
-
-    for stack in layer_stacks(cfg):
-        if stack.mtp:
-            continue
-        fuse((*stack.path, "attn"), (kda if stack.mixer == "kda" else mla).fuse_input_projections)
-        if stack.ffn == "dense":
-            fuse((*stack.path, "mlp"), fuse_gate_up)
-        elif "shared_gate_proj" in get_path(new, (*stack.path, "mlp")):
-            fuse((*stack.path, "mlp"), functools.partial(fuse_gate_up, prefix="shared_"))
-    return new
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames=("unroll_layers",), donate_argnums=(2,))
-def decode_loop(cfg: LingConfig, params: Params, cache: Cache, logits_BV: jax.Array, max_new: int,
-                keys_B: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                stop_S: jax.Array, n_new: jax.Array | None = None, *,
-                unroll_layers: bool = True) -> tuple[jax.Array, jax.Array, Cache]:
-    """Generates up to `n_new` (default `max_new`) tokens per row: (tokens [B, max_new], count per row
-    [B], final cache). `max_new` only sizes the output buffer (static); `n_new` is traced, so calls
-    asking for different numbers of tokens within one buffer size share a compilation.
-
-    Row b samples step i with `fold_in(keys_B[b], i)` (`generate` derives `keys_B` from the seed and
-    each row's prompt). A row stops after emitting a token of `stop_S`; the loop ends when every
-    row has stopped.
-    The cache is donated and returned, so the loop updates it in place (no second copy).
-    `unroll_layers` (default) compiles the step as one straight-line program over the layers
-    (`run_stack`): on an H200 a Ling-3.0-tiny step took 5.9 instead of 12.9 ms at batch 1 and
-    12.0 instead of 18.2 ms at batch 16 (the scans copied every layer's cache slice in and out),
-    for a longer compile (2.5x at batch 1, 1.3x at batch 16).
-    """
-    b = logits_BV.shape[0]
-    limit = jnp.int32(max_new) if n_new is None else jnp.minimum(n_new, max_new)
-    params = fuse_for_decode(cfg, params)
-
-    def cond(state):
-        step, _, _, _, done = state
-        return (step < limit) & ~jnp.all(done)
-
-    def body(state):
-        step, cache, logits, out, done = state
-        with jax.named_scope("sample"):
-            tok = sample(logits, keys_B, step, temperature, top_k, top_p)
-        out = out.at[:, step].set(jnp.where(done, -1, tok))
-        done = done | jnp.isin(tok, stop_S)
-        cache, logits = decode_step(cfg, params, cache, tok, unroll_layers)
-        return step + 1, cache, logits, out, done
-
-    init = (jnp.int32(0), cache, logits_BV, jnp.full((b, max_new), -1, jnp.int32), jnp.zeros((b,), bool))
-    _, cache, _, out, _ = jax.lax.while_loop(cond, body, init)
-    return out, jnp.sum(out >= 0, axis=1), cache
+from ling_jax.decode import decode_loop, prefill
+from ling_jax.kernels import select
+from ling_jax.params import Params
+from ling_jax.sharding import warn_without_mesh
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -297,9 +131,12 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     # static shapes come in buckets (cache slots in whole decode-attention blocks, the output buffer in
     # powers of two), so calls with other prompt lengths or token budgets reuse the compilations
     slots = cache_length(max(lengths) + max_new_tokens)
-    cache, logits = prefill(config, params, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32), slots)
+    dtype = params["embed"].dtype
+    cache, logits = prefill(config, select(config, dtype=dtype, inference=True), params, jnp.asarray(ids),
+                            jnp.asarray(lengths, jnp.int32), slots)
     out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), _row_keys(seeds, rows),
                                  jnp.float32(temperature), jnp.int32(min(top_k, config.vocab_size)),
-                                 jnp.float32(top_p), stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers)
+                                 jnp.float32(top_p), stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers,
+                                 kernels=select(config, dtype=dtype, decode=True, unroll=unroll_layers))
     out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, : counts[i]].tolist() for i in range(len(rows))]

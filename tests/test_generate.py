@@ -13,25 +13,40 @@ from conftest import rel_l2
 import ling_jax
 from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
-from ling_jax.generate import decode_loop, decode_step, fuse_for_decode, generate, prefill
-from ling_jax.layers import kda as kda_layers
-from ling_jax.layers.mla import mla_decode, mla_mixer
+from ling_jax.decode import decode_step, fuse_for_decode, prefill
+from ling_jax.decode import layers as decode_layers
+from ling_jax.decode.views import FUSED_INPUT, LINEAR_LEAVES, stackable
+from ling_jax.generate import generate
+from ling_jax.kernels import select
+from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
-from ling_jax.model import LINEAR_LEAVES
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.attention import attention_mask
-from ling_jax.ops.layer_gemv import FUSED_INPUT, stackable
 from ling_jax.params import get_path, init_params, layer_params, layer_stacks
 
-_step = jax.jit(decode_step, static_argnums=(0, 4))
+_step_jit = jax.jit(decode_step, static_argnums=(0, 1, 5))
 
 
-def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len, unroll=False):
+def _step(cfg, params, cache, tok, unroll=True, **override):
+    """One decode step with the kernels `select` picks for it (fields of the record `override`n)."""
+    kernels = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=unroll)
+    return _step_jit(cfg, dataclasses.replace(kernels, **override), params, cache, tok, unroll)
+
+
+def _prefill(cfg, params, ids, lengths, max_len):
+    return prefill(cfg, select(cfg, dtype=params["embed"].dtype, inference=True), params, ids, lengths, max_len)
+
+
+def _fused(cfg, params):
+    return fuse_for_decode(cfg, select(cfg, dtype=params["embed"].dtype, decode=True), params)
+
+
+def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len, unroll=False, **override):
     """Logits of prefill then one decode step per forced token: [B, N + 1, V]."""
-    cache, logits = prefill(cfg, params, prompt_BT, lengths, max_len)
+    cache, logits = _prefill(cfg, params, prompt_BT, lengths, max_len)
     out = [logits]
     for s in range(forced_BN.shape[1]):
-        cache, logits = _step(cfg, params, cache, forced_BN[:, s], unroll)
+        cache, logits = _step(cfg, params, cache, forced_BN[:, s], unroll, **override)
         out.append(logits)
     return jnp.stack(out, axis=1)
 
@@ -66,7 +81,7 @@ def test_fused_decode_projections(lora, monkeypatch):
     decode layer (decode_impl "pallas", batch 2; batch 1: `test_batch1_projections_read_from_their_stacks`)."""
     cfg = LingConfig.preset("debug", no_kda_lora=not lora)
     params = init_params(cfg, seed=5)
-    fused = fuse_for_decode(cfg, params)
+    fused = _fused(cfg, params)
     attn = {(st.mixer, st.path): get_path(fused, (*st.path, "attn")) for st in layer_stacks(cfg) if not st.mtp}
     assert {m for m, _ in attn} == {"kda", "mla"} and all(FUSED_INPUT in a for a in attn.values())
     gates = ("f_a_proj", "g_a_proj") if lora else ("f_proj", "g_proj")
@@ -81,7 +96,7 @@ def test_fused_decode_projections(lora, monkeypatch):
     mlps = [get_path(fused, (*st.path, "mlp")) for st in layer_stacks(cfg) if not st.mtp]
     assert all("gate_up_proj" in m or "shared_gate_up_proj" in m for m in mlps)
     prompt = jax.random.randint(jax.random.key(1), (2, 7), 0, cfg.vocab_size)
-    cache, _ = prefill(cfg, params, prompt, jnp.array([7, 4]), 12)
+    cache, _ = _prefill(cfg, params, prompt, jnp.array([7, 4]), 12)
     tok = jnp.array([3, 9], jnp.int32)
     (c_sep, l_sep), (c_fused, l_fused) = (_step(cfg, p, cache, tok, True) for p in (params, fused))
     assert rel_l2(l_fused, l_sep) < 1e-6
@@ -90,10 +105,10 @@ def test_fused_decode_projections(lora, monkeypatch):
     if not lora:
         return
     calls = []
-    monkeypatch.setattr(kda_layers, "kda_decode_layer",
-                        lambda *a, real=kda_layers.kda_decode_layer, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(decode_layers, "kda_decode_layer",
+                        lambda *a, real=decode_layers.kda_decode_layer, **k: calls.append(1) or real(*a, **k))
     pallas = dataclasses.replace(cfg, decode_impl="pallas")
-    c_pal, l_pal = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
+    c_pal, l_pal = _step(pallas, fused, cache, tok, True)
     assert len(calls) == sum(cfg.mixer_of(i) == "kda" for i in range(cfg.num_hidden_layers))
     assert rel_l2(l_pal, l_sep) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -106,14 +121,17 @@ def test_decode_loop_does_not_copy_the_latent_cache(debug_model):
     scheduled a segment's cache write before its attention read the cache, and then copied the whole
     cache twice per step to keep the old rows: 2 x 5 GB per step on an H200 at batch 128)."""
     cfg, params = debug_model
-    cache = prefill(cfg, params, jnp.ones((2, 4), jnp.int32), jnp.array([4, 3]), 1024)[0]
+    cache = _prefill(cfg, params, jnp.ones((2, 4), jnp.int32), jnp.array([4, 3]), 1024)[0]
     latent_shapes = {tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(cache)
                      if "latent" in jax.tree_util.keystr(path)}
     assert latent_shapes
     args = (cfg, params, cache, jnp.zeros((2, cfg.vocab_size), jnp.float32), 4,
             jax.random.split(jax.random.key(0), 2), jnp.float32(0),
             jnp.int32(0), jnp.float32(1), jnp.asarray([-2], jnp.int32))
-    hlo = decode_loop.lower(*args).compile().as_text()
+    from ling_jax.decode.loop import _decode_loop
+
+    kernels = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=True)
+    hlo = _decode_loop.lower(args[0], kernels, *args[1:], None, unroll_layers=True).compile().as_text()
     copied = [line for line in hlo.splitlines() if " copy(" in line
               and any(f"[{','.join(map(str, shp))}]" in line.split("copy(")[0] for shp in latent_shapes)]
     assert not copied, copied[:2]
@@ -174,7 +192,7 @@ def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     cfg = LingConfig.preset("debug", moe_shared_expert_intermediate_size=16, num_hidden_layers=6)
     params = init_params(cfg, seed=7)
     prompt = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
-    cache, _ = prefill(cfg, params, prompt, jnp.array([7, 5]), 12)
+    cache, _ = _prefill(cfg, params, prompt, jnp.array([7, 5]), 12)
     tok = jnp.array([4, 11], jnp.int32)
     c_want, want = _step(cfg, params, cache, tok, True)
     extras = []
@@ -186,7 +204,7 @@ def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
     monkeypatch.setattr(route_pallas, "_select", lambda *a: prefetched.append(
         [(p.stack.shape, len(p.index)) for p in a[7]]) or real_select(*a))
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
-    c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
+    c_got, got = _step(pallas, _fused(pallas, params), cache, tok, True)
     assert rel_l2(got, want) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          rtol=1e-4, atol=1e-5), c_got, c_want)
@@ -200,11 +218,11 @@ def test_shared_expert_rides_in_the_gemv_launches(monkeypatch):
 
 @pytest.mark.heavy
 def test_auto_gemv_reads_every_layer_from_its_stack(monkeypatch):
-    """On a "GPU" (patched; the kernel runs in interpret mode) `auto` decodes through ExpertStacks and
-    the gemv kernel in every MoE layer — 11 layers: two groups (layer offsets n x (G-1) + j) and a
-    run segment — and gives the one-device XLA step's logits."""
+    """With the gemv kernel picked for the routed experts (as "auto" does on one GPU; the kernel runs in
+    interpret mode here) the step decodes through ExpertStacks and the gemv kernel in every MoE layer
+    — 11 layers: two groups (layer offsets n x (G-1) + j) and a run segment — and gives the
+    one-device XLA step's logits."""
     from ling_jax.ops import expert_gemv
-    from ling_jax.ops import moe as moe_ops
 
     cfg = LingConfig.preset("debug", num_hidden_layers=11)
     params = init_params(cfg, seed=5)
@@ -215,9 +233,8 @@ def test_auto_gemv_reads_every_layer_from_its_stack(monkeypatch):
     calls = []
     real = expert_gemv.gathered_products
     monkeypatch.setattr(expert_gemv, "gathered_products", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    monkeypatch.setattr(moe_ops, "one_gpu", lambda: True)
     got = _teacher_forced(dataclasses.replace(cfg, moe_impl="auto", kda_impl="chunked"), params, prompt, lengths,
-                          forced, 12, True)
+                          forced, 12, True, moe_small="gemv", expert_stacks=True)
     assert rel_l2(got, want) < 1e-5
     # every traced MoE body (one per scanned segment, unrolled when lowered) read its segment's whole
     # stack: [layers x E, C, O], the groups' KDA layers as one [n x (G-1) x E] stack
@@ -239,9 +256,11 @@ def test_absorbed_equals_expanded_attention(debug_model):
     x = jax.random.normal(jax.random.key(1), (2, t, cfg.hidden_size))
     pos = jnp.broadcast_to(jnp.arange(t), (2, t))
     cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
-    want, cache = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=attention_mask(pos, pos))
+    kernels = select(cfg, dtype=x.dtype)
+    want, cache = mla_mixer(p, x, cfg=cfg, kernels=kernels, cos=cos, sin=sin, mask_BTS=attention_mask(pos, pos))
     latent = jnp.zeros((2, cache_length(t), cache["latent"].shape[-1])).at[:, : t - 1].set(cache["latent"][:, :-1])
-    got, row = mla_decode(p, x[:, -1], latent, jnp.full((2,), t - 1), cfg=cfg, cos=cos[:, -1:], sin=sin[:, -1:])
+    got, row = decode_layers.mla(p, x[:, -1], latent, jnp.full((2,), t - 1), cfg=cfg, kernels=kernels,
+                                 cos=cos[:, -1:], sin=sin[:, -1:])
     assert rel_l2(got, want[:, -1]) < 1e-5
     np.testing.assert_allclose(row, cache["latent"][:, -1], rtol=1e-6, atol=1e-6)
 
@@ -257,8 +276,9 @@ def test_absorbed_prefill_equals_expanded(debug_model):
     valid = pos < jnp.asarray([[t], [20]])
     cos, sin = rope_cos_sin(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
     mask = attention_mask(pos, pos, valid)
-    want, c_want = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=mask)
-    got, c_got = mla_mixer(p, x, cfg=cfg, cos=cos, sin=sin, mask_BTS=mask, absorbed=True)
+    kernels = select(cfg, dtype=x.dtype)
+    want, c_want = mla_mixer(p, x, cfg=cfg, kernels=kernels, cos=cos, sin=sin, mask_BTS=mask)
+    got, c_got = mla_mixer(p, x, cfg=cfg, kernels=kernels, cos=cos, sin=sin, mask_BTS=mask, absorbed=True)
     assert rel_l2(got[0], want[0]) < 1e-5 and rel_l2(got[1, :20], want[1, :20]) < 1e-5
     np.testing.assert_array_equal(c_got["latent"], c_want["latent"])
 
@@ -389,23 +409,22 @@ def test_batch1_moe_routes_from_its_stacks(monkeypatch):
     `route_select` takes its partial sums and the expert bias in its stack (`WeightStack`), in
     every MoE layer, the kernel applying the post-attention RMSNorm to the rows it reads
     (`expert_gemv.NormedRows`), and the step gives the XLA step's logits and caches."""
-    from ling_jax.layers import moe as moe_layers
     from ling_jax.ops import route_pallas
     from ling_jax.ops.layer_gemv import WeightStack
 
     cfg = LingConfig.preset("debug", num_hidden_layers=4, num_experts=16, hidden_size=128)  # router [128, 16]: 2 tiles
     params = init_params(cfg, seed=4)
     prompt = jax.random.randint(jax.random.key(3), (1, 6), 0, cfg.vocab_size)
-    cache, _ = prefill(cfg, params, prompt, jnp.array([6]), 10)
+    cache, _ = _prefill(cfg, params, prompt, jnp.array([6]), 10)
     tok = jnp.array([5], jnp.int32)
     c_want, want = _step(cfg, params, cache, tok, True)
     seen, router = [], []
-    real, real_pp = route_pallas._select, moe_layers.partial_products
+    real, real_pp = route_pallas._select, decode_layers.partial_products
     monkeypatch.setattr(route_pallas, "_select", lambda lg, b, *a: seen.append((lg.shape, type(b))) or real(lg, b, *a))
-    monkeypatch.setattr(moe_layers, "partial_products",
-                        lambda x, w: router.append((type(x), w.shape)) or real_pp(x, w))
+    monkeypatch.setattr(decode_layers, "partial_products",
+                        lambda x, w, *a: router.append((type(x), w.shape)) or real_pp(x, w, *a))
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gemv")
-    c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fuse_for_decode(pallas, params), cache, tok, True)
+    c_got, got = _step(pallas, _fused(pallas, params), cache, tok, True)
     assert rel_l2(got, want) < 1e-5
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                          rtol=1e-4, atol=1e-5), c_got, c_want)
@@ -426,7 +445,7 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
 
     cfg = LingConfig.preset("debug", num_hidden_layers=6, num_experts=16)  # a router [64, 16] the kernel tiles
     params = init_params(cfg, seed=9)
-    fused = fuse_for_decode(cfg, params)
+    fused = _fused(cfg, params)
     pallas = dataclasses.replace(cfg, decode_impl="pallas", moe_impl="gather")
     real = expert_gemv.gathered_partials
     calls = []
@@ -437,13 +456,13 @@ def test_batch1_projections_read_from_their_stacks(monkeypatch):
         isinstance(a[0], expert_gemv.GatedRows) and gated.append(a[0].shape)) or real(*a, **k))
     for b in (1, 2):
         prompt = jax.random.randint(jax.random.key(b), (b, 7), 0, cfg.vocab_size)
-        cache, _ = prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
+        cache, _ = _prefill(cfg, params, prompt, jnp.full((b,), 7), 12)
         tok = jnp.arange(3, 3 + b, dtype=jnp.int32)
         c_want, want = _step(cfg, params, cache, tok, True)
         calls.clear()
         normed.clear()
         gated.clear()
-        c_got, got = jax.jit(decode_step, static_argnums=(0, 4))(pallas, fused, cache, tok, True)
+        c_got, got = _step(pallas, fused, cache, tok, True)
         assert rel_l2(got, want) < 1e-5
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                              rtol=1e-4, atol=1e-5), c_got, c_want)

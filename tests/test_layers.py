@@ -12,13 +12,13 @@ from conftest import rel_l2
 
 from ling_jax.config import ConfigError, LingConfig
 from ling_jax.layers.kda import short_conv
-from ling_jax.layers.mlp import swiglu_act
 from ling_jax.layers.moe import route
-from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.ops import moe as moe_ops
 from ling_jax.ops import pallas_gpu
 from ling_jax.ops.moe import routed_experts
+from ling_jax.ops.norms import rms_norm
+from ling_jax.ops.swiglu import swiglu_act
 from ling_jax.sharding import make_mesh
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ling_jax.config import LingConfig
+from ling_jax.kernels import select
 from ling_jax.model import forward_hidden
 from ling_jax.params import Params, build_tree, get_path
 from train.config import TrainConfig, mtp_weight
@@ -89,16 +90,18 @@ def loss_terms(cfg: LingConfig, tcfg: TrainConfig, params: Params, batch: dict[s
                ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
     """(main CE sum, MTP CE sum, expert counts) of one micro-batch."""
     p = cast_for_compute(cfg, params, jnp.dtype(tcfg.compute_dtype))  # no copy where already cast
+    kernels = select(cfg, dtype=tcfg.compute_dtype)  # under the step's mesh (this runs at trace time)
     use_mtp = mtp_weight(cfg, tcfg) > 0
     out = forward_hidden(cfg, p, batch["inputs"], segment_ids=batch["segment_ids"], mtp=use_mtp,
-                         expert_counts=True, remat=tcfg.remat, unroll=tcfg.unroll_layers)
+                         expert_counts=True, remat=tcfg.remat, unroll=tcfg.unroll_layers, kernels=kernels)
     head = p["embed"].T if cfg.tie_word_embeddings else p["lm_head"]
     d = cfg.hidden_size
-    ce = cross_entropy_sum(out["final"].reshape(-1, d), head, batch["labels"].reshape(-1), tcfg.logits_dtype)
+    ce = cross_entropy_sum(out["final"].reshape(-1, d), head, batch["labels"].reshape(-1), tcfg.logits_dtype,
+                           kernels.logsumexp)
     mtp_ce = jnp.float32(0.0)
     if use_mtp:
         mtp_ce = cross_entropy_sum(out["mtp"][0].reshape(-1, d), head, mtp_labels(batch["labels"]).reshape(-1),
-                                   tcfg.logits_dtype)
+                                   tcfg.logits_dtype, kernels.logsumexp)
     counts = {"segments": out["expert_counts"], "mtp": out.get("mtp_expert_counts", [])}
     return ce, mtp_ce, counts
 

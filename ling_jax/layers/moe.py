@@ -39,77 +39,25 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax import sharding
 from ling_jax.config import LingConfig
+from ling_jax.kernels import Kernels
 from ling_jax.layers.mlp import mlp
-from ling_jax.ops.expert_gemv import NormedRows, dense
-from ling_jax.ops.l2_prefetch import Prefetch
-from ling_jax.ops.layer_gemv import WeightStack, partial_products
-from ling_jax.ops.moe import (
-    EXPERT_LEAVES,
-    ExpertStack,
-    SharedStacks,
-    expert_counts,
-    materialize,
-    routed_experts,
-    routed_partial,
-)
-from ling_jax.ops.pallas_gpu import on_gpu
+from ling_jax.ops.moe import EXPERT_LEAVES, expert_counts, routed_experts, routed_partial
 from ling_jax.ops.route_pallas import combine_weights, select_experts
 
-ROUTE_KERNEL_MAX_TOKENS = 512  # up to this many tokens per call `route` may select in the Pallas kernel
-# the decode step's selection kernel reads the stacked shared expert into L2 for the gemvs after it
-# (`ops.l2_prefetch`)
-PREFETCH_SHARED = True
+
+def router_logits(x_ND: jax.Array, w_router_DE: jax.Array, kernels: Kernels) -> jax.Array:
+    """[N, E] float32 router logits: the float32 matmul at `kernels.precision`."""
+    return jnp.matmul(x_ND.astype(jnp.float32), w_router_DE.astype(jnp.float32), precision=kernels.precision)
 
 
-def router_precision() -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
-    """How the float32 router matmul runs. On a GPU, six bf16 tensor-core products of the operands'
-    three-way bf16 splits (`BF16_BF16_F32_X6`): on an H200 at 32k tokens x 1536 x 128 more accurate
-    than the CUDA-core float32 GEMM that `HIGHEST` gets (relative L2 error 1.4e-7 vs 7.0e-7 against
-    float64) and faster (forward + backward 1.15 vs 1.44 ms; bench/router_matmul.py). At decode
-    sizes it makes no difference: `HIGHEST` also took two launches per layer (BENCHMARKS.md).
-    Elsewhere `HIGHEST` (float32 on CPU; six passes on TPU)."""
-    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if on_gpu() else jax.lax.Precision.HIGHEST
+def select(logits_NE: jax.Array, bias_E: jax.Array, cfg: LingConfig) -> tuple[jax.Array, jax.Array]:
+    """(expert indices [N, k] int32, combine weights [N, k] f32) from router logits [N, E] (XLA).
 
-
-def route_kernel(cfg: LingConfig, n_tokens: int) -> bool:
-    """Whether `route` selects the experts of `n_tokens` tokens in the Pallas kernel
-    (`ops.route_pallas`): 1 to ROUTE_KERNEL_MAX_TOKENS of them (decode steps, short prompts),
-    no multi-device context mesh, and decode_impl "pallas" (interpret mode off a GPU) or "auto" on a
-    GPU (`pallas_gpu.on_gpu`)."""
-    if (cfg.decode_impl == "xla" or not 0 < n_tokens <= ROUTE_KERNEL_MAX_TOKENS
-            or sharding.multi_device(sharding.context_mesh())):
-        return False
-    return cfg.decode_impl == "pallas" or on_gpu()
-
-
-def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bias_E: jax.Array | WeightStack,
-          cfg: LingConfig, prefetch: tuple[Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32).
-
-    Selection ranks `sigmoid(logits) + bias`: groups by the sum of their top-2, the best
-    `topk_group` groups kept, then the top-k experts inside them. Weights are the *unbiased*
-    scores of the chosen experts, renormalised (k > 1) and scaled by `routed_scaling_factor`.
-    Where `route_kernel` says so, everything after the router matmul is one Pallas kernel. The
-    batch-1 decode step passes the router and the bias as `WeightStack`s (`model.run_stack`): the
-    router matmul is then the gemv kernel's, in float32, and the selection kernel adds its partial
-    sums and reads the bias in place (`ops.route_pallas`), and its launch reads the `prefetch` slabs
-    into L2 (`ops.l2_prefetch`; elsewhere they are ignored).
+    Selection ranks `sigmoid(logits) + bias`: groups by the sum of their top-2, the best `topk_group`
+    groups kept, then the top-k experts inside them. Weights are the *unbiased* scores of the chosen
+    experts, renormalised (k > 1) and scaled by `routed_scaling_factor`.
     """
-    n, e = x_ND.shape[0], w_router_DE.shape[1]
-    if isinstance(w_router_DE, WeightStack):
-        logits_SNE = partial_products(x_ND, w_router_DE)
-        logits_NE = logits_SNE.sum(0)
-    else:
-        logits_SNE = logits_NE = jnp.matmul(dense(x_ND).astype(jnp.float32), w_router_DE.astype(jnp.float32),
-                                            precision=router_precision())
-    if route_kernel(cfg, n):
-        if prefetch and logits_SNE.ndim == 2:  # the decode step's form (stacks come only in decode steps)
-            logits_SNE = logits_SNE[None]
-        idx_NK, w_NK = select_experts(logits_SNE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch)
-        return idx_NK, w_NK, logits_NE
-    if isinstance(bias_E, WeightStack):
-        bias_E = bias_E.value()
+    n, e = logits_NE.shape
     scores_NE = jax.nn.sigmoid(logits_NE)
     sel_NE = scores_NE + bias_E.astype(jnp.float32)
     sel_NGX = sel_NE.reshape(n, cfg.n_group, e // cfg.n_group)
@@ -119,12 +67,24 @@ def route(x_ND: jax.Array | NormedRows, w_router_DE: jax.Array | WeightStack, bi
     masked_NE = jnp.where(keep_NG[..., None], sel_NGX, -jnp.inf).reshape(n, e)
     _, idx_NK = jax.lax.top_k(masked_NE, cfg.num_experts_per_tok)
     idx_NK = idx_NK.astype(jnp.int32)
-    return idx_NK, combine_weights(scores_NE, idx_NK, cfg.routed_scaling_factor), logits_NE
+    return idx_NK, combine_weights(scores_NE, idx_NK, cfg.routed_scaling_factor)
+
+
+def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: LingConfig,
+          kernels: Kernels) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32): `select`
+    on the router's logits, as one Pallas kernel where `kernels.route_for(N)` (same result)."""
+    logits_NE = router_logits(x_ND, w_router_DE, kernels)
+    if kernels.route_for(x_ND.shape[0]):
+        idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor)
+        return idx_NK, w_NK, logits_NE
+    return *select(logits_NE, bias_E, cfg), logits_NE
 
 
 def expert_parallel(
     x_ND: jax.Array, idx_NK: jax.Array, w_NK: jax.Array, w_gate_EDI: jax.Array, w_up_EDI: jax.Array,
-    w_down_EID: jax.Array, *, limit: jax.Array | float, impl: str, mesh: jax.sharding.AbstractMesh,
+    w_down_EID: jax.Array, *, limit: jax.Array | float, kernels: Kernels, mesh: jax.sharding.AbstractMesh,
 ) -> tuple[jax.Array, jax.Array]:
     """Routed-expert output [N, D] (x's dtype) and global tokens per expert [E] over `mesh` (module doc).
 
@@ -147,7 +107,10 @@ def expert_parallel(
     ep_on, fsdp_on, tp_on = spec_in[0] == "expert", spec_in[1] == "fsdp", spec_in[2] == "tensor"
     # the gemv kernel cannot run inside this shard_map (its pallas_call has no manual-axis output
     # types under check_vma), and it is a one-device decode kernel anyway: the shards gather
-    local_impl = "gather" if impl == "gemv" else impl
+    k = idx_NK.shape[1]
+    group_copies = (n + n_pad) // n_shards * (sizes["expert"] if ep_on else 1) * k
+    local_impl = kernels.moe_for(group_copies)
+    local_impl = "gather" if local_impl == "gemv" else local_impl
     tok = P(tok_axes if tok_axes else None, None)
 
     def local(x_ND, idx_NK, w_NK, wg_LDI, wu_LDI, wd_LID, limit):
@@ -161,7 +124,7 @@ def expert_parallel(
             x_GD, idx_GK, w_GK = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_ND, idx_NK, w_NK))
             first = jax.lax.axis_index("expert") * wg_LDI.shape[0]
         y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=local_impl,
-                              in_shard_map=True)
+                              rows_only=False)
         y_ND = jax.lax.psum_scatter(y_GD, "expert", scatter_dimension=0, tiled=True) if ep_on else y_GD
         if tp_on:
             y_ND = jax.lax.psum(y_ND, "tensor")
@@ -177,35 +140,29 @@ def expert_parallel(
     return y_ND[:n], counts_E
 
 
-def moe(p: dict[str, Any], x: jax.Array | NormedRows, *, cfg: LingConfig, limit: jax.Array | float = 0.0,
+def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, kernels: Kernels, limit: jax.Array | float = 0.0,
         shared_limit: jax.Array | float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [..., D] -> ([..., D], router aux).
 
     Aux: per token (flattened to [N, ...]) "topk_idx", "topk_weight", "logits"; and
     "expert_counts" [E] int32, the copies routed to each expert summed over every token of the
-    call (the global batch under a mesh) — what the aux-loss-free bias update needs.
+    call (the global batch under a mesh) — what the aux-loss-free bias update needs. The routed
+    experts run `kernels.moe_for(N x k)`; under a multi-device mesh, expert-parallel (module doc).
     """
     x_ND = x.reshape(-1, x.shape[-1])
-    shared, prefetch = None, ()  # the decode step's stacked shared expert: it runs with the routed ones
-    if isinstance(p.get("shared_gate_up_proj"), ExpertStack):
-        shared = SharedStacks(p["shared_gate_up_proj"], p["shared_down_proj"], jnp.asarray(shared_limit, jnp.float32))
-        if PREFETCH_SHARED:
-            prefetch = tuple(Prefetch(w.stack, (w.layer, 0)) for w in (shared.gate_up, shared.down))
     with jax.named_scope("router"):
-        idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg, prefetch)
-    mesh = sharding.context_mesh()
+        idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg, kernels)
     with jax.named_scope("routed"):
-        if not sharding.multi_device(mesh):
+        if not kernels.sharded:
+            impl = kernels.moe_for(idx_NK.size)
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
-                                  limit=limit, impl=cfg.moe_impl, shared=shared)
+                                  limit=limit, impl=impl, rows_only=kernels.inference)
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
         else:
-            y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK,
-                                             *(materialize(p[n]) for n in EXPERT_LEAVES),
-                                             limit=limit, impl=cfg.moe_impl, mesh=mesh)
-    if "shared_gate_proj" in p and shared is None:
+            y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK, *(p[n] for n in EXPERT_LEAVES), limit=limit,
+                                             kernels=kernels, mesh=sharding.context_mesh())
+    if "shared_gate_proj" in p:
         with jax.named_scope("shared"):
-            y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"],
-                              shared_limit, p.get("shared_gate_up_proj"))
+            y_ND = y_ND + mlp(x_ND, p["shared_gate_proj"], p["shared_up_proj"], p["shared_down_proj"], shared_limit)
     aux = {"topk_idx": idx_NK, "topk_weight": w_NK, "logits": logits_NE, "expert_counts": counts_E}
     return y_ND.reshape(x.shape), aux

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ling_jax.ops.pallas_gpu import pad_axis
+from ling_jax.ops.platform import on_platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +67,21 @@ def tiles_for(rows: int) -> Tiles:
     return DECODE_TILES if rows <= DECODE_MAX_ROWS else TILES
 
 
+def gpu_cores() -> int:
+    """The SM count of the GPU a program is traced for (the abstract mesh's device, else the default
+    device), 0 where none is known (a CPU host without an abstract GPU device)."""
+    mesh_device = jax.sharding.get_abstract_mesh().abstract_device
+    return int((mesh_device.num_cores if mesh_device else getattr(jax.devices()[0], "core_count", 0)) or 0)
+
+
 def _num_programs(interpret: bool) -> int:
     """One program per SM of the GPU (the persistent loop's width); INTERPRET_PROGRAMS interpreted."""
     if interpret:
         return INTERPRET_PROGRAMS
-    mesh_device = jax.sharding.get_abstract_mesh().abstract_device
-    cores = mesh_device.num_cores if mesh_device else getattr(jax.devices()[0], "core_count", 0)
+    cores = gpu_cores()
     if not cores:
         raise ValueError("aligned_matmul: the device reports no SM count to size the persistent grid by")
-    return int(cores)
+    return cores
 
 
 def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, tiles: Tiles, transpose_rhs: bool):
@@ -162,8 +169,9 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
     S = T * tiles.m; tile_group [T] int32 in [-1, G), -1 giving a zero tile, the tiles in any order
     (the MoE's gradient wants them in ascending group order, -1 last: `ops.moe.aligned_ragged_dot`).
     x and w in one 16-bit dtype (wgmma); K and N are padded here to the tiles. `interpret`: the
-    Mosaic-GPU interpreter (default: off GPU), with `interpret_params` (a `plgpu.InterpretGPUParams`,
-    e.g. with race detection) if given.
+    Mosaic-GPU interpreter (default: chosen at lowering, `ops.platform`: compiled for CUDA where the
+    GPU's SM count is known, interpreted elsewhere), with `interpret_params` (a
+    `plgpu.InterpretGPUParams`, e.g. with race detection) if given.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -176,7 +184,12 @@ def aligned_matmul(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, *
     if tiles.m % tiles.epi_m or tiles.n % tiles.epi_n:
         raise ValueError(f"aligned_matmul: the store window {tiles.epi_m}x{tiles.epi_n} must divide the tile "
                          f"{tiles.m}x{tiles.n}")
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    if interpret is None:
+        forms = {False: functools.partial(aligned_matmul, transpose_rhs=transpose_rhs, tiles=tiles, interpret=False),
+                 True: functools.partial(aligned_matmul, transpose_rhs=transpose_rhs, tiles=tiles, interpret=True,
+                                         interpret_params=interpret_params)}
+        compiled = forms[not gpu_cores()]
+        return on_platform(lambda p: compiled if p == "cuda" else forms[True], x_SK, w_GKN, tile_group_T)
     cta_n = 2 * tiles.n
     x = pad_axis(x_SK, 1, tiles.k)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, is_pow2
+from ling_jax.ops.pallas_gpu import is_pow2, triton_call
 from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
@@ -256,7 +256,7 @@ def _forward(qn, qr, kn, kr, v, vis, scale: float, blocks: Blocks, interpret: bo
     dr, dv = qr.shape[-1], v.shape[-1]
     doc_q, doc_k, start, _ = vis
     bq, bk = blocks.bq, blocks.bk
-    o, lse = pl.pallas_call(
+    o, lse = triton_call(
         functools.partial(_fwd_kernel, scale2=scale * LOG2E, bq=bq, bk=bk),
         grid=(t // bq, b, h),
         in_specs=[_rows(bq, dn), _rows(bq, dr), _whole(t, dn), _whole(t, dr, False), _whole(t, dv),
@@ -264,7 +264,7 @@ def _forward(qn, qr, kn, kr, v, vis, scale: float, blocks: Blocks, interpret: bo
         out_specs=[_rows(bq, dv), _row_stat(bq, reverse=True)],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), v.dtype), jax.ShapeDtypeStruct((b, h, t), F32)],
         name="mla_attention_fwd",
-        **call_options(interpret, num_warps=blocks.warps_fwd, num_stages=blocks.stages),
+        interpret=interpret, num_warps=blocks.warps_fwd, num_stages=blocks.stages,
     )(qn, qr, kn, kr, v, doc_q, doc_k, start)
     return o, lse
 
@@ -277,7 +277,7 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
     do = do.astype(v.dtype)
     scales = dict(scale2=scale * LOG2E, scale=scale)
     bq, bk = blocks.bq_dkv, blocks.bk_dkv
-    dkn, dkr_BTHR, dvv = pl.pallas_call(
+    dkn, dkr_BTHR, dvv = triton_call(
         functools.partial(_dkv_kernel, bq=bq, bk=bk, **scales),
         grid=(t // bk, b, h),
         in_specs=[_whole(t, dn), _whole(t, dr), _cols(bk, dn), _cols(bk, dr, False), _cols(bk, dv), _whole(t, dv),
@@ -287,10 +287,10 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dn), kn.dtype), jax.ShapeDtypeStruct((b, t, h, dr), F32),
                    jax.ShapeDtypeStruct((b, t, h, dv), v.dtype)],
         name="mla_attention_dkv",
-        **call_options(interpret, num_warps=blocks.warps_dkv, num_stages=blocks.stages),
+        interpret=interpret, num_warps=blocks.warps_dkv, num_stages=blocks.stages,
     )(qn, qr, kn, kr, v, do, lse, delta, doc_q, doc_k, end)
     bq, bk = blocks.bq_dq, blocks.bk_dq
-    dqn, dqr = pl.pallas_call(
+    dqn, dqr = triton_call(
         functools.partial(_dq_kernel, bq=bq, bk=bk, **scales),
         grid=(t // bq, b, h),
         in_specs=[_rows(bq, dn), _rows(bq, dr), _whole(t, dn), _whole(t, dr, False), _whole(t, dv), _rows(bq, dv),
@@ -299,7 +299,7 @@ def _backward(qn, qr, kn, kr, v, vis, o, lse, do, scale: float, blocks: Blocks, 
         out_specs=[_rows(bq, dn), _rows(bq, dr)],
         out_shape=[jax.ShapeDtypeStruct(qn.shape, qn.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
         name="mla_attention_dq",
-        **call_options(interpret, num_warps=blocks.warps_dq, num_stages=blocks.stages),
+        interpret=interpret, num_warps=blocks.warps_dq, num_stages=blocks.stages,
     )(qn, qr, kn, kr, v, do, lse, delta, doc_q, doc_k, start)
     return dqn, dqr, dkn, jnp.sum(dkr_BTHR, axis=2).astype(kr.dtype), dvv
 

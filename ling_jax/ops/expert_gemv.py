@@ -30,18 +30,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.layers.norms import gated_rms_norm, inv_rms, rms_norm, sum_squares
-from ling_jax.ops.pallas_gpu import call_options, index_operand, pow2_tile, whole
+from ling_jax.ops.norms import gated_rms_norm, inv_rms, rms_norm, sum_squares
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, index_operand, pow2_tile, triton_call, whole
 
 MAX_BC = 64  # input rows per tile: a [64, 128] float32 tile is 64 values per thread at 4 warps
 MAX_BO = 128
-MIN_PROGRAMS = 264  # narrower output tiles where fewer programs would leave the H200's 132 SMs half idle
 MIN_TILE = 16
 NUM_WARPS = 4
 MAX_ADDED_PARTIALS = 64  # `add_partials` adds up to this many partial sums elementwise (more: one reduce)
-# Triton's L2 eviction policy for the weight tiles (None: the default). evict_first measured -2.5% per
-# batch-1 decode step on an H200 (BENCHMARKS.md, eleventh session)
-WEIGHT_EVICTION: str | None = "evict_first"
 
 
 class _PendingNorm:
@@ -151,13 +147,13 @@ def _tile(n: int, cap: int) -> int | None:
     return pow2_tile(n, cap, MIN_TILE)
 
 
-def output_tile(m: int, s: int, o: int) -> int:
+def output_tile(m: int, s: int, o: int, min_programs: int = DEFAULT_LAUNCH.gemv_programs) -> int:
     """The output tile BO of a launch of m copies and s input tiles: the widest power of two up to
-    MAX_BO dividing O, narrowed (down to MIN_TILE) until the grid has MIN_PROGRAMS programs. A small
+    MAX_BO dividing O, narrowed (down to MIN_TILE) until the grid has `min_programs` programs. A small
     weight in wide tiles is a few programs that each wait out the whole of their tile's latency (the
     batch-1 router: 24 programs for its [1536, 128] weight)."""
     bo = _tile(o, MAX_BO)
-    while m * s * (o // bo) < MIN_PROGRAMS and bo // 2 >= MIN_TILE and o % (bo // 2) == 0:
+    while m * s * (o // bo) < min_programs and bo // 2 >= MIN_TILE and o % (bo // 2) == 0:
         bo //= 2
     return bo
 
@@ -188,14 +184,15 @@ def _gated(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, v
     return (x_C * r * w_C * jax.nn.sigmoid(z_C)).astype(dt).astype(jnp.float32)
 
 
-def _load_weight(ref) -> jax.Array:
-    """A weight tile, loaded with `WEIGHT_EVICTION`: each is read once per step, so it goes first out
-    of L2 and leaves it to what is reused (the partial sums, activations, the KDA state)."""
-    return pltriton.load(ref, eviction_policy=WEIGHT_EVICTION)
+def _load_weight(ref, eviction: str | None) -> jax.Array:
+    """A weight tile, loaded with L2 eviction policy `eviction` ("evict_first": each is read once per
+    step, so it goes first out of L2 and leaves it to what is reused: partial sums, activations, the
+    KDA state)."""
+    return pltriton.load(ref, eviction_policy=eviction)
 
 
 def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_main: int, extra_cols: tuple,
-            extra_fixed: bool, bc: int, bo: int, prologue: tuple, n_pro: int):
+            extra_fixed: bool, bc: int, bo: int, prologue: tuple, n_pro: int, eviction: str | None):
     m, o, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = row_ref[m]
     pro_refs, refs = refs[:n_pro], refs[n_pro:]  # the prologue's operands (`gathered_partials`)
@@ -205,7 +202,8 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
         """x's tile times each (weight, first column) tile of expert e, summed over BC. The weight loads
         come first, so that their latency covers the prologue's loads (sums of squares, norm weights,
         the gate)."""
-        w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)]) for w_ref, col in tiles]
+        w_COs = [_load_weight(w_ref.at[e, pl.ds(s * bc, bc), pl.ds(col + o * bo, bo)], eviction)
+                 for w_ref, col in tiles]
         x_C = x_ref[row, pl.ds(s * bc, bc)].astype(jnp.float32)
         if prologue[0] == "rms":
             x_C = _normed(x_C, row, pro_refs, s, bc, x_ref.shape[-1], *prologue[1:], x_ref.dtype)
@@ -230,7 +228,7 @@ def _kernel(idx_ref, base_ref, row_ref, x_ref, *refs, n_w: int, n_extra: int, n_
 def gathered_products(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
-                      interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                      interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> tuple[jax.Array, ...]:
     """For every weight stack w [E, C, O]: x[rows[m]] @ w[idx[m]] for each copy m -> [M, O] float32.
 
     x: [R, C] rows; idx: [M] int32, each copy's expert (must be in [0, E)); rows: [M] static ints,
@@ -243,7 +241,8 @@ def gathered_products(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
     normalises its tile of the row itself (from the row's sum of squares, the model's RMSNorm); x as
     `GatedRows` likewise with the KDA output's gated norm.
-    `interpret` defaults to True off GPU.
+    `interpret` defaults to the lowering platform's choice (`pallas_gpu.triton_call`); `launch`: the
+    tuned program count and eviction policy.
 
     `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
     idx holds only those n_main: every copy from n_main on takes expert `extra_idx`. The kernel
@@ -252,13 +251,14 @@ def gathered_products(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     stacks, the shared expert's index).
     """
     return tuple(add_partials(p) for p in gathered_partials(x_RC, idx_M, weights, rows=rows, extra=extra, n_main=n_main,
-                                                            offset=offset, extra_idx=extra_idx, interpret=interpret))
+                                                            offset=offset, extra_idx=extra_idx, interpret=interpret,
+                                                            launch=launch))
 
 
 def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array, weights: tuple[jax.Array, ...], *,
                       rows: np.ndarray | None = None, extra: tuple[tuple[jax.Array, int], ...] = (),
                       n_main: int | None = None, offset: int | jax.Array = 0, extra_idx: int | jax.Array | None = None,
-                      interpret: bool | None = None) -> tuple[jax.Array, ...]:
+                      interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> tuple[jax.Array, ...]:
     """`gathered_products` before the sum of its split: per weight its [S, M, O] float32 partial sums
     over the S = C / BC tiles of C, for a consumer that adds them itself
     (`ops.route_pallas` sums the router's in its kernel, sparing the sum's launch)."""
@@ -299,18 +299,19 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     extra_arrays = list({id(w): w for w, _ in extra}.values())  # distinct extra arrays, each passed once
     slot = {id(w): j for j, w in enumerate(extra_arrays)}
     s = c // bc
-    bo = output_tile(m, s, o)
+    bo = output_tile(m, s, o, launch.gemv_programs)
     base = index_operand([offset, 0 if extra_idx is None else extra_idx])
     rows_op = index_operand(rows_M)
-    partials = pl.pallas_call(
+    partials = triton_call(
         functools.partial(_kernel, n_w=len(weights), n_extra=len(extra_arrays), n_main=n_main,
                           extra_cols=tuple((slot[id(w)], col) for w, col in extra),
-                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue, n_pro=len(pro)),
+                          extra_fixed=extra_idx is not None, bc=bc, bo=bo, prologue=prologue, n_pro=len(pro),
+                          eviction=launch.gemv_eviction),
         out_shape=[jax.ShapeDtypeStruct((s, m, o), jnp.float32) for _ in weights],
         grid=(m, o // bo, s),
         in_specs=[whole(a) for a in (idx_M, base, rows_op, x_RC, *pro, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
     )(idx_M.astype(jnp.int32), base, rows_op, x_RC, *pro, *weights, *extra_arrays)
     return tuple(partials)

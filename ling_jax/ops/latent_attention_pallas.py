@@ -29,12 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, is_pow2, triton_call, whole
 
 BK = 64  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
-TARGET_PROGRAMS = 264  # two per SM on an H200 (their partial results cost ~8 MB per layer at batch 1)
-NUM_WARPS, NUM_STAGES = 4, 2  # with BK and TARGET_PROGRAMS: the fastest of the tile sweep (BENCHMARKS.md)
+NUM_WARPS, NUM_STAGES = 4, 2  # with BK and `Launch.latent_programs`: the fastest of the tile sweep
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
@@ -43,9 +42,9 @@ def supported(rank: int, rope: int, slots: int) -> bool:
     return is_pow2(rank) and is_pow2(rope) and slots % BK == 0
 
 
-def _splits(batch: int, head_blocks: int, blocks: int) -> int:
-    """Cache splits per (row, head block): enough programs to fill the GPU, at most one per block."""
-    return max(1, min(blocks, math.ceil(TARGET_PROGRAMS / (batch * head_blocks))))
+def _splits(batch: int, head_blocks: int, blocks: int, programs: int) -> int:
+    """Cache splits per (row, head block): `programs` programs in all, at most one split per block."""
+    return max(1, min(blocks, math.ceil(programs / (batch * head_blocks))))
 
 
 def _precision(x: jax.Array) -> jax.lax.Precision:
@@ -97,8 +96,9 @@ def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_re
 
 def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
                             rank: int, scale: float, layer: jax.Array | int | None = None,
-                            interpret: bool | None = None) -> jax.Array:
-    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel.
+                            interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
+    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel,
+    the cache split so that about `launch.latent_programs` programs run.
 
     With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
     `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
@@ -116,12 +116,12 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
     hp = -(-h // BH) * BH
     q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_LBSW.dtype)  # zero heads: sliced off below
     n_hb = hp // BH
-    n_sp = _splits(b, n_hb, s // BK)
+    n_sp = _splits(b, n_hb, s // BK, launch.latent_programs)
     used_blocks = (jnp.max(lengths_B) + BK - 1) // BK
     span = (((used_blocks + n_sp - 1) // n_sp) * BK).astype(jnp.int32).reshape(1)  # slots per split, run time
     lengths_B = lengths_B.astype(jnp.int32)
     part = pl.BlockSpec((None, None, None, BH), lambda bi, hi, si: (bi, si, hi, 0))
-    m_bsh, l_bsh, acc = pl.pallas_call(
+    m_bsh, l_bsh, acc = triton_call(
         functools.partial(_kernel, rank=rank, rope=rope, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
@@ -129,7 +129,7 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
         in_specs=[whole(a) for a in (lengths_B, span, layer_1, q, cache_LBSW)],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
         name="latent_attention",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )(lengths_B, span, layer_1, q, cache_LBSW)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]

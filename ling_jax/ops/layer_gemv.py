@@ -1,11 +1,11 @@
 """One-row projections read straight from their layer stacks (the batch-1 decode step).
 
 At batch 1 every projection of a decode step is a vector-matrix product whose whole cost is reading
-the weight. XLA runs each as two launches (a split reduction) at about 1 TB/s on an H200, and a
-custom kernel on a layer's weight sliced from its segment's stack would first copy the slice
-(BENCHMARKS.md, "Decode"). So the unrolled decode step (`model.run_stack`) hands such weights over as
-`WeightStack`s, and `linear` runs them through the routed experts' gemv kernel
-(`ops.expert_gemv.gathered_products`) with the layer as the expert: one launch that reads the layer's
+the weight. XLA runs each as a split reduction well under the copy rate, and a custom kernel on a
+layer's weight sliced from its segment's stack would first copy the slice (docs/decode-performance.md).
+So the unrolled decode step (`ling_jax.decode`) hands such weights over as `WeightStack`s, and `linear`
+runs them through the routed experts' gemv kernel (`ops.expert_gemv.gathered_products`) with the
+layer as the expert: one launch that reads the layer's
 [C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums. A layer's RMSNorm
 before such projections (`normed`) is left to the kernel too (`expert_gemv.NormedRows`): every
 program normalises the tile of the row it reads, and the norm's two XLA launches go. At a few rows
@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.layers.norms import rms_norm
 from ling_jax.ops import expert_gemv, stack_matmul
 from ling_jax.ops.expert_gemv import GatedRows, NormedRows, dense, normed_rows
-
-FUSED_INPUT = "x_proj"  # decode params: a layer's projections of its normed input side by side, one product
+from ling_jax.ops.norms import rms_norm
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch
 
 
 @jax.tree_util.register_dataclass
@@ -61,15 +60,6 @@ def column_starts(ws: list) -> list[int]:
     return [0, *np.cumsum([w.shape[-1] for w in ws]).tolist()]
 
 
-def stackable(w: object, lead: int, dtype: jnp.dtype, rows: int = 1) -> bool:
-    """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `linear` as a
-    `WeightStack` for products of `rows` rows: a dense array of [C, O] matrices in the compute
-    `dtype` that the kernel for that many rows tiles."""
-    if not (isinstance(w, jax.Array) and w.ndim == lead + 2 and w.dtype == dtype):
-        return False
-    return expert_gemv.supported(*w.shape[-2:]) if rows == 1 else stack_matmul.supported(rows, *w.shape[-2:])
-
-
 def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | NormedRows:
     """`rms_norm(x, w, eps)`; with the weight as a `WeightStack` (the batch-1 decode step), the rows
     with the norm left to the gemv kernels that read them (`NormedRows`; `linear` and the MoE take
@@ -79,24 +69,26 @@ def normed(x: jax.Array, w: jax.Array | WeightStack, eps: float) -> jax.Array | 
     return rms_norm(x, w, eps)
 
 
-def linear(x: jax.Array | NormedRows | GatedRows, w: jax.Array | WeightStack) -> jax.Array:
-    """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` (the decode step,
-    where `model.run_stack` makes them) runs the gemv kernel on one row (or on each row, where
-    the few-row matmul does not tile the weight), the few-row matmul (`ops.stack_matmul`) on
-    more; an array runs XLA's product."""
+def linear(x: jax.Array | NormedRows | GatedRows, w: jax.Array | WeightStack,
+           launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
+    """x [..., C] @ w [C, O] in x's dtype (float32 accumulation). A `WeightStack` (the decode step's
+    views, `ling_jax.decode`) runs the gemv kernel on one row (or on each row, where the few-row
+    matmul does not tile the weight), the few-row matmul (`ops.stack_matmul`) on more, both shaped
+    by `launch`; an array runs XLA's product."""
     if not isinstance(w, WeightStack):
         x = dense(x)
         return x @ w.astype(x.dtype)
     c, o = w.shape
     rows = math.prod(x.shape[:-1])
     if rows == 1 or not stack_matmul.supported(rows, c, o):  # the gemv kernel, once per row
-        return expert_gemv.add_partials(partial_products(x, w)).astype(x.dtype)
+        return expert_gemv.add_partials(partial_products(x, w, launch)).astype(x.dtype)
     x = dense(x)
-    parts_SRO = stack_matmul.partial_products(x.reshape(-1, c), w.stack, w.layer)
+    parts_SRO = stack_matmul.partial_products(x.reshape(-1, c), w.stack, w.layer, launch=launch)
     return expert_gemv.add_partials(parts_SRO).astype(x.dtype).reshape(*x.shape[:-1], o)
 
 
-def partial_products(x: jax.Array | NormedRows | GatedRows, w: WeightStack) -> jax.Array:
+def partial_products(x: jax.Array | NormedRows | GatedRows, w: WeightStack,
+                     launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
     """x [..., C] @ w [C, O] through the gemv kernel before the sum of its split of C: [S, ..., O]
     float32 partial sums (`expert_gemv.gathered_partials`), for a consumer that adds them itself."""
     c, o = w.shape
@@ -104,5 +96,5 @@ def partial_products(x: jax.Array | NormedRows | GatedRows, w: WeightStack) -> j
         raise ValueError(f"layer_gemv: x [..., {x.shape[-1]}] does not match a [{c}, {o}] weight")
     rows_RC = x.reshape(-1, c)
     idx_R = jnp.broadcast_to(jnp.asarray(w.layer, jnp.int32), (rows_RC.shape[0],))
-    (parts_SRO,) = expert_gemv.gathered_partials(rows_RC, idx_R, (w.stack,))
+    (parts_SRO,) = expert_gemv.gathered_partials(rows_RC, idx_R, (w.stack,), launch=launch)
     return parts_SRO.reshape(parts_SRO.shape[0], *x.shape[:-1], o)

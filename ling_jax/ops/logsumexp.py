@@ -16,34 +16,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.ops.pallas_gpu import call_options, one_gpu, pad_axis, whole
+from ling_jax.ops.pallas_gpu import pad_axis, triton_call, whole
 
 F32 = jnp.float32
 ROWS, COLS = 8, 1024  # rows per program, columns per step of its loop
 WARPS = 4
 
 
-def row_logsumexp(x_RV: jax.Array, *, impl: str = "auto", interpret: bool | None = None) -> jax.Array:
+def row_logsumexp(x_RV: jax.Array, *, impl: str = "xla", interpret: bool | None = None) -> jax.Array:
     """log(sum(exp(x), axis=-1)) [R] in float32 of x [R, V] (any float dtype).
 
-    impl: "pallas" (the kernel), "xla", or "auto" (the kernel on one GPU; XLA elsewhere and under a
-    multi-device mesh, which GSPMD partitions). Not differentiable (the loss makes its own gradient)."""
-    if impl == "auto":
-        impl = "pallas" if one_gpu() else "xla"
+    impl: "xla" or "pallas" (the kernel: not partitioned by GSPMD, so for one device;
+    `ling_jax.kernels` picks it on one GPU). Not differentiable (the loss makes its own gradient)."""
     if impl == "xla":
         return jax.nn.logsumexp(x_RV.astype(F32), axis=-1)
     if impl != "pallas":
-        raise ValueError(f"impl={impl!r}: must be 'auto', 'xla' or 'pallas'")
+        raise ValueError(f"impl={impl!r}: must be 'xla' or 'pallas'")
     r, v = x_RV.shape
     xp = pad_axis(x_RV, 0, ROWS)
-    out = pl.pallas_call(
+    out = triton_call(
         functools.partial(_kernel, v=v),
         grid=(xp.shape[0] // ROWS,),
         in_specs=[whole(xp)],
         out_specs=pl.BlockSpec((ROWS,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0],), F32),
         name="row_logsumexp",
-        **call_options(interpret, num_warps=WARPS, num_stages=2),
+        interpret=interpret, num_warps=WARPS, num_stages=2,
     )(xp)
     return out[:r]
 

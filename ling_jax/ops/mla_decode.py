@@ -10,35 +10,17 @@ step and no [B, H, S] score tensor is ever materialised.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from ling_jax.cache import LATENT_BLOCK
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LatentStack:
-    """One MLA layer's latent cache [B, S, W], left inside its segment's stack [L, B, S, W].
-
-    The unrolled decode step (`model.run_stack`) hands these to the layers when the Pallas decode
-    kernel runs on one device: the kernel reads the layer straight from the stack. A layer's slice
-    passed to a custom call is first copied whole by XLA, every step, however short the context:
-    on an H200 at batch 128 with 33k slots allocated that was 6 copies of 5 GB per step (decode 40
-    ms/step against 16 ms with a 1k allocation; BENCHMARKS.md)."""
-
-    stack: jax.Array  # [L, B, S, W]
-    layer: jax.Array  # int32 scalar, this layer's index in the stack
-
 
 def latent_attention(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
-                     rank: int, scale: float, block: int = LATENT_BLOCK) -> jax.Array:
+                     rank: int, scale: float, block: int) -> jax.Array:
     """softmax over [cached rows j < lengths[b]] ∪ [the new row] of scale·(q·row), times c: [B, H, r] f32.
 
-    q: [B, H, r + d_r]; cache: [B, S, r + d_r] with S a multiple of `block`; new: [B, r + d_r],
-    the current token's row (not yet in the cache).
+    q: [B, H, r + d_r]; cache: [B, S, r + d_r] with S a multiple of `block` (the cache's allocation
+    granule, `ling_jax.cache.LATENT_BLOCK`); new: [B, r + d_r], the current token's row (not yet in
+    the cache).
     """
     b, h, _ = q_BHW.shape
     f32 = jnp.float32

@@ -42,22 +42,21 @@ writes them zero. The row maps (`SortedRows`) send only the computed copies back
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import importlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.layers.mlp import swiglu_act
 from ling_jax.ops import aligned_gmm, expert_gemv, row_scatter
-from ling_jax.ops.pallas_gpu import one_gpu, pad_axis
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, pad_axis
+from ling_jax.ops.platform import on_platform
 from ling_jax.ops.saved import keep
+from ling_jax.ops.swiglu import swiglu_act
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
@@ -74,12 +73,11 @@ GMM_TILE = 128
 class ExpertStack:
     """One layer's routed-expert weights [E, C, O], left inside its segment's stack [L, E, C, O].
 
-    The unrolled decode step (`model.run_stack`) hands these to the MoE where the gemv kernel will
-    run (`wants_stacks`): the kernel then reads the layer straight from the stack (expert ids
-    offset by layer x E). A sliced stack passed to a custom call is first copied whole by XLA: on
-    an H200 that was 69 copies of 201 MB per Ling-3.0-tiny decode step, 6.3 ms (BENCHMARKS.md).
-    Any other impl takes `materialize(w)`, a dynamic slice of the stack; for the grouped matmul
-    that cost 6 ms per step in copies (BENCHMARKS.md), which is why stacks are made only for gemv.
+    The unrolled decode step (`ling_jax.decode`) hands these to the MoE where the gemv kernel runs:
+    the kernel then reads the layer straight from the stack (expert ids offset by layer x E). A
+    sliced stack passed to a custom call is first copied whole by XLA, every step. Any other impl
+    takes `materialize(w)`, a dynamic slice of the stack (for the grouped matmuls as costly), which
+    is why stacks are made only for gemv.
     """
 
     stack: jax.Array  # [L, E, C, O]
@@ -102,43 +100,6 @@ def gemv_tiles(ws: tuple[jax.Array | ExpertStack, ...], dtype: jnp.dtype) -> boo
                for w in ws)
 
 
-def wants_stacks(impl: str, dtype: jnp.dtype, copies: int, hidden: int, intermediate: int) -> bool:
-    """Whether a step's MoE layers should get `ExpertStack`s: where, with them, `resolve_impl` picks
-    the gemv kernel, the kernel tiles [hidden, intermediate] and [intermediate, hidden], and there is
-    no multi-device context mesh (the expert-parallel MoE runs the XLA paths on its shards)."""
-    from ling_jax.sharding import context_mesh, multi_device
-
-    tiles = expert_gemv.supported(hidden, intermediate) and expert_gemv.supported(intermediate, hidden)
-    return (tiles and not multi_device(context_mesh())
-            and resolve_impl(impl, dtype, copies, stacked=True) == "gemv")
-
-
-def _is_sm90() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
-def resolve_impl(impl: str, dtype: jnp.dtype, copies: int | None = None, stacked: bool = False) -> str:
-    """The concrete implementation `impl` ("auto" included) stands for with activations of `dtype`,
-    `copies` token copies (N * k) per call, and (`stacked`) the weights as `ExpertStack`s that the
-    gemv kernel can tile."""
-    if impl not in IMPLS:
-        raise ValueError(f"moe impl={impl!r}: must be one of {IMPLS}")
-    decode = copies is not None and copies <= GATHER_MAX_COPIES
-    if impl == "gemv" and copies is not None and not decode:
-        return resolve_impl("auto", dtype, copies)  # a decode kernel: N * k weight reads beyond that
-    if impl != "auto":
-        return impl
-    if decode:
-        return "gemv" if stacked and one_gpu() else "gather"
-    backend = jax.default_backend()
-    if backend == "tpu":
-        return "gmm"
-    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and _is_sm90():
-        return "aligned"
-    return "ragged"
-
-
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -150,13 +111,21 @@ def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array, full: bool = False) -> 
     return jnp.where(valid_M[:, None], y_MN, jnp.zeros((), y_MN.dtype))
 
 
-def _interpret_mgpu() -> bool:
-    return jax.default_backend() != "gpu"
+def _mosaic_gpu(call: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
+    """`call(*args)` of a Mosaic-GPU kernel, compiled where the program is lowered for CUDA (and the
+    GPU's SM count is known: JAX's kernels size their grids by it), else in the Mosaic-GPU interpreter."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def interpreted(*a: jax.Array) -> jax.Array:
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return call(*a)
+
+    compiled = call if aligned_gmm.gpu_cores() else interpreted
+    return on_platform(lambda p: compiled if p == "cuda" else interpreted, *args)
 
 
 def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
     """ragged_dot_mgpu, shapes padded to the tiles: [M, K] x [G, K, N] (or [G, N, K]^T) -> [M, N]."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     m, k = x_MK.shape
@@ -168,17 +137,11 @@ def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_r
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N,
                              transpose_rhs=transpose_rhs)
-    if _interpret_mgpu():
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            y = call(x, w)
-    else:
-        y = call(x, w)
-    return y[:m, :n]
+    return _mosaic_gpu(call, x, w)[:m, :n]
 
 
 def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
     """transposed_ragged_dot_mgpu: per group g, x[rows of g]^T @ dy[rows of g] -> [G, K, N]."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     k, n = x_MK.shape[1], dy_MN.shape[1]
@@ -188,17 +151,18 @@ def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
     call = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=gs_G.astype(jnp.int32),
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N)
-    if _interpret_mgpu():
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            dw = call(x, dy)
-    else:
-        dw = call(x, dy)
-    return dw[:, :k, :n]
+    return _mosaic_gpu(call, x, dy)[:, :k, :n]
 
 
 def _megablox():
     """The megablox kernel module (the package re-exports a function under the module's name)."""
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_call(call: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
+    """A megablox kernel compiled where the program is lowered for TPU, in interpret mode elsewhere."""
+    compiled, interpreted = (functools.partial(call, interpret=i) for i in (False, True))
+    return on_platform(lambda p: compiled if p == "tpu" else interpreted, *args)
 
 
 def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
@@ -207,8 +171,8 @@ def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rh
     n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
     x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
     w = pad_axis(pad_axis(w_GKN, 1, GMM_TILE), 2, GMM_TILE)
-    y = megablox.gmm(x, w, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3, transpose_rhs=transpose_rhs,
-                     interpret=jax.default_backend() != "tpu")
+    y = _megablox_call(functools.partial(megablox.gmm, preferred_element_type=x.dtype, tiling=(GMM_TILE,) * 3,
+                                         transpose_rhs=transpose_rhs), x, w, gs_G.astype(jnp.int32))
     return y[:m, :n]
 
 
@@ -217,8 +181,8 @@ def _gmm_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
     k, n = x_MK.shape[1], dy_MN.shape[1]
     x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
     dy = pad_axis(pad_axis(dy_MN, 0, GMM_TILE), 1, GMM_TILE)
-    dw = megablox.tgmm(x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32), x.dtype, (GMM_TILE,) * 3,
-                       interpret=jax.default_backend() != "tpu")
+    dw = _megablox_call(functools.partial(megablox.tgmm, preferred_element_type=x.dtype, tiling=(GMM_TILE,) * 3),
+                        x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32))
     return dw[:, :k, :n]
 
 
@@ -333,7 +297,7 @@ class SharedStacks:
     """One layer's shared expert inside its segment's stacks, for the gemv kernel to run it as one
     more copy per token in the routed experts' launches (`routed_experts(shared=...)`): the fused
     gate|up [L, 1, D, 2I] and down [L, 1, I, D] as `ExpertStack`s (expert 0 of their layer), and
-    its SwiGLU clamp. Made by the unrolled decode step (`model.run_stack`) where `shared_fits`."""
+    its SwiGLU clamp. Made by the unrolled decode step (`ling_jax.decode`) where `shared_fits`."""
 
     gate_up: ExpertStack
     down: ExpertStack
@@ -349,7 +313,8 @@ def shared_fits(hidden: int, intermediate: int, shared_intermediate: int) -> boo
 
 def _gemv_experts(x_ND: jax.Array | expert_gemv.NormedRows, w_NK: jax.Array, sel_NK: jax.Array,
                   stacks: tuple[jax.Array | ExpertStack, ...], stacked: bool, limit: jax.Array | float,
-                  shared: SharedStacks | None = None) -> tuple[jax.Array, jax.Array | None]:
+                  shared: SharedStacks | None = None, launch: Launch = DEFAULT_LAUNCH
+                  ) -> tuple[jax.Array, jax.Array | None]:
     """The gemv path: (weighted routed sum [N, D] float32, shared expert [N, D] in x's dtype or None).
 
     sel: each choice's expert in the given weights (0 for choices that do not count, whose weight
@@ -376,7 +341,7 @@ def _gemv_experts(x_ND: jax.Array | expert_gemv.NormedRows, w_NK: jax.Array, sel
         limit_M = jnp.where(np.arange(n * k + n)[:, None] >= n * k, shared.limit, limit_M)
         rows_M = np.concatenate([rows_M, np.arange(n)])
         extra_gu, extra_d = ((gu, 0), (gu, i)), ((d, 0),)
-    index = dict(n_main=n * k, offset=offset, extra_idx=shared_idx)
+    index = dict(n_main=n * k, offset=offset, extra_idx=shared_idx, launch=launch)
     g_MI, u_MI = expert_gemv.gathered_products(x_ND, sel_M, (wg, wu), rows=rows_M, extra=extra_gu, **index)
     h_MI = swiglu_act(g_MI.astype(dt), u_MI.astype(dt), limit_M)
     (y_MD,) = expert_gemv.gathered_products(h_MI, sel_M, (wd,), rows=np.arange(len(rows_M)), extra=extra_d, **index)
@@ -398,7 +363,8 @@ def routed_partial(
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
     all_local: bool = False,
-    in_shard_map: bool = False,
+    rows_only: bool = False,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) over the choices j with idx in [first, first + L): [N, D] f32.
 
@@ -408,19 +374,21 @@ def routed_partial(
     number of local copies, N * min(k, L), is fed to it — dropless under any routing skew.
     Expert outputs are in x's dtype, the weighted sum is float32. `all_local`: the caller guarantees
     every choice is in range (every sorted copy is computed: the grouped matmuls skip their masks).
-    `in_shard_map`: called inside `layers.moe.expert_parallel`'s shard_map, where the aligned
-    dispatch keeps XLA's gather (a `pallas_call` there has no manual-axis output types).
+    `rows_only`: nothing differentiates the call (prefill, decode) and it does not run inside a
+    `shard_map` (a `pallas_call` there has no manual-axis output types): the aligned dispatch then
+    writes only the copies' rows (`dispatch(rows_only=True)`). `launch`: the gemv kernel's tuning.
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
     stacks = (w_gate_LDI, w_up_LDI, w_down_LID)
+    if impl not in IMPLS or impl == "auto":
+        raise ValueError(f"routed_partial: impl={impl!r} must be one of {IMPLS[1:]} (resolved by ling_jax.kernels)")
     stacked = gemv_tiles(stacks, x_ND.dtype)
-    impl = resolve_impl(impl, x_ND.dtype, n * k, stacked=stacked)
     local_NK = idx_NK - first_expert
     is_local_NK = (local_NK >= 0) & (local_NK < n_local)
     if impl == "gemv":
         return _gemv_experts(x_ND, jnp.where(is_local_NK, w_NK, 0.0), jnp.where(is_local_NK, local_NK, 0), stacks,
-                             stacked, limit)[0]
+                             stacked, limit, launch=launch)[0]
     w_gate_LDI, w_up_LDI, w_down_LID = (materialize(w) for w in (w_gate_LDI, w_up_LDI, w_down_LID))
     x_ND = expert_gemv.dense(x_ND)
     if impl == "gather":
@@ -441,9 +409,9 @@ def routed_partial(
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
     rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
     # its matmuls never mix rows nor read the tail tiles; nothing downstream is differentiated
-    rows_only = impl == "aligned" and not in_shard_map and _INFERENCE.get()
-    y_SD = expert_ffn_sorted(dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only), rows.group_sizes_L, w_gate_LDI,
-                             w_up_LDI, w_down_LID, limit, impl, full=all_local and cap == n * k,
+    x_SD = dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only and impl == "aligned")
+    y_SD = expert_ffn_sorted(x_SD, rows.group_sizes_L, w_gate_LDI, w_up_LDI, w_down_LID, limit, impl,
+                             full=all_local and cap == n * k,
                              tile_group_T=rows.tile_group_T, tiles=rows.tiles)
     return combine(undispatch(y_SD, rows.copy_S, rows.slot_M).reshape(n, k, -1), w_NK, jnp.float32)
 
@@ -458,20 +426,24 @@ def routed_experts(
     *,
     limit: jax.Array | float = 0.0,
     impl: str = "ragged",
+    rows_only: bool = False,
     shared: SharedStacks | None = None,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> jax.Array:
     """sum_j w[n, j] * Expert_{idx[n, j]}(x[n]) for every token n: [N, D] in x's dtype (all experts local).
 
+    `impl`: one of IMPLS but "auto" (`ling_jax.kernels` resolves it); `rows_only`: see `routed_partial`.
     `shared` (the unrolled decode step's, made only where the gemv kernel runs on stacks): plus the
     shared expert's output, computed in the same gemv launches.
     """
     stacks = (w_gate_EDI, w_up_EDI, w_down_EID)
     if shared is None:
-        return routed_partial(x_ND, idx_NK, w_NK, 0, *stacks, limit=limit, impl=impl, all_local=True).astype(x_ND.dtype)
-    if not gemv_tiles(stacks, x_ND.dtype) or resolve_impl(impl, x_ND.dtype, idx_NK.size, stacked=True) != "gemv":
+        return routed_partial(x_ND, idx_NK, w_NK, 0, *stacks, limit=limit, impl=impl, all_local=True,
+                              rows_only=rows_only, launch=launch).astype(x_ND.dtype)
+    if not gemv_tiles(stacks, x_ND.dtype) or impl != "gemv":
         raise ValueError(f"routed_experts: a shared expert in the launches needs the gemv kernel on expert stacks "
                          f"(impl={impl!r}, {idx_NK.size} copies)")
-    routed_ND, shared_ND = _gemv_experts(x_ND, w_NK, idx_NK, stacks, True, limit, shared)
+    routed_ND, shared_ND = _gemv_experts(x_ND, w_NK, idx_NK, stacks, True, limit, shared, launch)
     return routed_ND.astype(x_ND.dtype) + shared_ND
 
 
@@ -495,21 +467,6 @@ def expert_counts(idx_NK: jax.Array, num_experts: int) -> jax.Array:
 # dispatch are gathers and the transpose of each is the other one's gather: no scatter in the
 # forward or the backward (XLA's scatter-add of [N * k, D] rows broadcasts a u32 index per element,
 # 1.6 GB at 32k tokens x top-8).
-
-
-_INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("ling_jax_moe_inference", default=False)
-
-
-@contextlib.contextmanager
-def inference() -> Iterator[None]:
-    """Trace-time scope of code that nothing differentiates (`generate.prefill`, `generate.decode_step`):
-    there the aligned MoE's dispatch writes only the copies' rows (`dispatch(rows_only=True)`).
-    Training and any gradient stay outside it."""
-    token = _INFERENCE.set(True)
-    try:
-        yield
-    finally:
-        _INFERENCE.reset(token)
 
 
 @jax.tree_util.register_dataclass

@@ -1,34 +1,19 @@
-"""Plumbing shared by the Pallas kernels (Triton lowering on GPU, interpret mode elsewhere; operand padding)."""
+"""Plumbing shared by the GPU-only Pallas kernels: `triton_call` (Triton on a GPU, interpret mode
+elsewhere, chosen at lowering), index operands, tiles and operand padding."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-
-def on_gpu() -> bool:
-    """Whether "auto" picks the decode-step kernels: on an NVIDIA GPU of compute capability 8.0 or
-    newer (Triton's bf16 dots; timed on an H200), under a multi-device mesh per shard
-    (`sharding.per_shard`). Other GPUs (older, or ROCm's gfx names) keep the XLA forms."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return False
-    try:
-        return float(getattr(dev, "compute_capability", "0")) >= 8.0
-    except ValueError:
-        return False
-
-
-def one_gpu() -> bool:
-    """`on_gpu` without a multi-device context mesh: where "auto" picks the routed-expert gemv kernel
-    (under a mesh the experts run in the MoE's own shard_map, on the XLA paths)."""
-    from ling_jax.sharding import context_mesh, multi_device
-
-    return on_gpu() and not multi_device(context_mesh())
+from ling_jax.ops.platform import GPU_PLATFORMS, on_platform
 
 
 def is_pow2(n: int) -> bool:
@@ -61,6 +46,25 @@ def pad_axis(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Tuned launch shapes of the decode kernels (`ling_jax.kernels.TUNED` holds one per device kind).
+
+    gemv_programs: least programs of a gemv launch (`ops.expert_gemv`: narrower output tiles below).
+    gemv_eviction: Triton's L2 eviction policy for the gemv's weight tiles (None: the default).
+    kda_programs: least programs of the KDA decode kernels (`ops.kda.decode*`: narrower V blocks below).
+    latent_programs: programs the latent-attention kernel aims at (how finely it splits the cache).
+    stack_programs: programs the few-row stack matmul aims at (`ops.stack_matmul`).
+    """
+
+    gemv_programs: int = 264
+    gemv_eviction: str | None = "evict_first"
+    kda_programs: int = 132
+    latent_programs: int = 264
+    stack_programs: int = 264
+
+
+DEFAULT_LAUNCH = Launch()
 INDEX_SENTINEL = -1  # ends every static index operand; no kernel reads it (`index_operand`)
 
 
@@ -81,10 +85,18 @@ def whole(a: jax.Array | jax.ShapeDtypeStruct) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)
 
 
-def call_options(interpret: bool | None, *, num_warps: int, num_stages: int) -> dict[str, Any]:
-    """`pl.pallas_call` keywords: interpret mode off GPU (or as asked), else Triton's compiler params."""
-    if jax.default_backend() != "gpu" if interpret is None else interpret:
-        return {"interpret": True}
-    from jax.experimental.pallas import triton as pltriton
+def triton_call(kernel: Callable[..., None], *, interpret: bool | None, num_warps: int, num_stages: int,
+                **kwargs: Any) -> Callable[..., Any]:
+    """`pl.pallas_call(kernel, **kwargs)` with Triton's compiler params where the program is lowered
+    for a GPU and interpret mode elsewhere (`ops.platform`), or in interpret mode as `interpret` says."""
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
-    return {"interpret": False, "compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    def call(interp: bool) -> Callable[..., Any]:
+        if interp:
+            return pl.pallas_call(kernel, interpret=True, **kwargs)
+        return pl.pallas_call(kernel, interpret=False, compiler_params=params, **kwargs)
+
+    if interpret is not None:
+        return call(interpret)
+    compiled, interpreted = call(False), call(True)
+    return lambda *args: on_platform(lambda p: compiled if p in GPU_PLATFORMS else interpreted, *args)

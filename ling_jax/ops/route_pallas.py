@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from ling_jax.ops import l2_prefetch
 from ling_jax.ops.layer_gemv import WeightStack
-from ling_jax.ops.pallas_gpu import call_options, next_pow2, pad_axis, whole
+from ling_jax.ops.pallas_gpu import next_pow2, pad_axis, triton_call, whole
 
 NUM_WARPS = 1  # one row per program: every reduction stays inside one warp (shuffles, no barriers)
 
@@ -132,7 +132,7 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
     extra = l2_prefetch.operands(kept)
     out = pl.BlockSpec((None, kp, 1), lambda i: (jnp.minimum(i, n - 1), 0, 0))
     scratch = [l2_prefetch.scratch(slabs)] if slabs else []
-    outs = pl.pallas_call(
+    outs = triton_call(
         functools.partial(_kernel, n=n, slabs=slabs, e=e, n_group=n_group, topk_group=topk_group, k=k, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((n, kp, 1), jnp.int32), jax.ShapeDtypeStruct((n, kp, 1), jnp.float32)]
         + [a for a, _ in scratch],
@@ -140,7 +140,7 @@ def _select(logits_SNE: jax.Array, bias: jax.Array | WeightStack, n_group: int, 
         in_specs=[whole(logits), whole(layer), whole(bias_LE), *l2_prefetch.in_specs(extra)],
         out_specs=[out, out] + [spec for _, spec in scratch],
         name="route_select",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
     )(logits, jnp.asarray(layer), bias_LE, *extra)
     idx, w = outs[:2]
     return idx[:, :k, 0], w[:, :k, 0]

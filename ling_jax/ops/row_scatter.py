@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, pow2_tile, whole
+from ling_jax.ops.pallas_gpu import pow2_tile, triton_call, whole
 
 MAX_BLOCK = 1024  # columns one program copies (a power of two dividing D; Triton's rule)
 MIN_BLOCK = 16
@@ -61,12 +61,12 @@ def scatter_rows(x_ND: jax.Array, slot_M: jax.Array, rows: int, *, interpret: bo
     if bd is None:
         raise ValueError(f"scatter_rows: no power-of-two block >= {MIN_BLOCK} divides D={d}")
     out = jax.ShapeDtypeStruct((rows, d), x_ND.dtype)
-    return pl.pallas_call(
+    return triton_call(
         functools.partial(_kernel, copies_per_row=m // n, bd=bd),
         out_shape=out,
         grid=(m, d // bd),
         in_specs=[whole(slot_M), whole(x_ND)],
         out_specs=whole(out),
         name="scatter_rows",
-        **call_options(interpret, num_warps=4, num_stages=1),
+        interpret=interpret, num_warps=4, num_stages=1,
     )(slot_M.astype(jnp.int32), x_ND)

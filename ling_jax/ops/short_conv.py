@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling_jax.ops.pallas_gpu import call_options, is_pow2, whole
+from ling_jax.ops.pallas_gpu import is_pow2, triton_call, whole
+from ling_jax.ops.platform import on_platform
 from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
@@ -71,8 +72,9 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
                     blocks: tuple[int, int, int] = (BLOCK_T, BLOCK_P, INNER)) -> tuple[jax.Array, ...]:
     """`conv_silu` of a whole sequence (no carried window) of Q = parts * P channels, split into the
     `parts` results [B, T, P]. impl "pallas": the kernels (`supports(P, parts)` required) with tiles of
-    `blocks` (rows, channels: powers of two; row blocks per backward program), "xla": the XLA form.
-    Under `jax.checkpoint` the kernels' parts are kept (`saved.keep`)."""
+    `blocks` (rows, channels: powers of two; row blocks per backward program), Triton where the program
+    is lowered for a GPU, interpret mode on CPU (or as `interpret` says), the XLA form where for a TPU;
+    "xla": the XLA form. Under `jax.checkpoint` the kernels' parts are kept (`saved.keep`)."""
     b, t, q = x_BTQ.shape
     if q % parts:
         raise ValueError(f"{q} channels do not split into {parts} parts")
@@ -84,8 +86,16 @@ def conv_silu_parts(x_BTQ: jax.Array, w_QW: jax.Array, seg_BT: jax.Array | None,
         raise ValueError(f"the short-conv kernels need parts of a power-of-two width >= {blocks[1]} and "
                          f"power-of-two blocks, got width {q // parts}, blocks {blocks}")
     seg = jnp.zeros((b, t), jnp.int32) if seg_BT is None else seg_BT.astype(jnp.int32)
-    kw = _Static(parts, seg_BT is not None, interpret, *blocks)
-    return keep(*_conv_parts(kw, x_BTQ, w_QW.astype(F32).T, seg))
+
+    def kernels(x, w, seg):
+        return keep(*_conv_parts(_Static(parts, seg_BT is not None, interpret, *blocks), x, w.astype(F32).T, seg))
+
+    def xla(x, w, seg):
+        return tuple(jnp.split(conv_silu(x, w, None if seg_BT is None else seg), parts, axis=-1))
+
+    if interpret is not None:
+        return kernels(x_BTQ, w_QW, seg)
+    return on_platform(lambda p: xla if p == "tpu" else kernels, x_BTQ, w_QW, seg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,14 +214,14 @@ def _padded(t: int, rows: int) -> int:
 def _run_fwd(kw: _Static, x, wt, seg):
     b, t, q = x.shape
     shape = (b, _padded(t, kw.bt), q // kw.parts)
-    ys = pl.pallas_call(
+    ys = triton_call(
         functools.partial(_fwd_kernel, t=t, kw=kw),
         grid=(b, pl.cdiv(t, kw.bt), shape[2] // kw.bp),
         in_specs=[whole(x), whole(wt), whole(seg)],
         out_specs=[pl.BlockSpec(shape, lambda *_: (0, 0, 0))] * kw.parts,
         out_shape=[jax.ShapeDtypeStruct(shape, x.dtype)] * kw.parts,
         name="short_conv_fwd",
-        **call_options(kw.interpret, num_warps=WARPS, num_stages=1),
+        interpret=kw.interpret, num_warps=WARPS, num_stages=1,
     )(x, wt, seg)
     return [y[:, :t] for y in ys]
 
@@ -230,14 +240,14 @@ def _conv_parts_bwd(kw: _Static, res, dys):
     b, t, q = x.shape
     grid = (b, pl.cdiv(t, kw.bt * kw.inner), q // kw.bp)
     dx_shape, dw_shape = (b, _padded(t, kw.bt * kw.inner), q), (b, grid[1], wt.shape[0], q)
-    dx, dw_part = pl.pallas_call(
+    dx, dw_part = triton_call(
         functools.partial(_bwd_kernel, t=t, kw=kw),
         grid=grid,
         in_specs=[whole(x), whole(wt), whole(seg)] + [whole(dy) for dy in dys],
         out_specs=[pl.BlockSpec(dx_shape, lambda *_: (0, 0, 0)), pl.BlockSpec(dw_shape, lambda *_: (0, 0, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct(dx_shape, x.dtype), jax.ShapeDtypeStruct(dw_shape, F32)],
         name="short_conv_bwd",
-        **call_options(kw.interpret, num_warps=WARPS, num_stages=1),
+        interpret=kw.interpret, num_warps=WARPS, num_stages=1,
     )(x, wt, seg, *(dy.astype(x.dtype) for dy in dys))
     return dx[:, :t], jnp.sum(dw_part, axis=(0, 1)).astype(wt.dtype), None
 

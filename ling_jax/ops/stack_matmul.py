@@ -8,7 +8,7 @@ Here the weight stays in its stack (`layer_gemv.WeightStack`): the grid is (outp
 each program walks its split of C in [BK, BO] weight tiles with Triton's dot on all rows at once
 ([BR, BK] x [BK, BO], rows zero-padded to a power of two >= 16) and writes float32 partial sums,
 added by their consumer's fusion (`expert_gemv.add_partials`). The split is as wide as fills the
-GPU (`TARGET_PROGRAMS`) while the partial sums stay a fraction of the weight's bytes.
+GPU (`Launch.stack_programs`) while the partial sums stay a fraction of the weight's bytes.
 
 Triton lowering on GPU; interpret mode elsewhere (tests). `layer_gemv.linear` runs it for 2 to
 `MAX_ROWS` rows; one row goes to the gemv kernel (`ops.expert_gemv`).
@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, index_operand, next_pow2, pad_axis, whole
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, index_operand, next_pow2, pad_axis, triton_call, whole
 
 # rows per call: beyond, the split that fills the GPU writes partial sums as large as the weight
 # (batch 128: XLA's copy and product)
 MAX_ROWS = 64
 BK, BO = 64, 64  # weight tile [BK, BO] per loop step
-TARGET_PROGRAMS = 264  # two per SM on an H200
 PARTIALS_SHARE = 4  # the partial sums (S x R x O float32) at most 1/PARTIALS_SHARE of the weight's bytes
 NUM_WARPS, NUM_STAGES = 4, 3
 
@@ -38,12 +37,12 @@ def supported(rows: int, c: int, o: int) -> bool:
     return 1 <= rows <= MAX_ROWS and c % BK == 0 and o % BO == 0
 
 
-def splits(rows: int, c: int, o: int, itemsize: int) -> int:
-    """How many pieces C is split into: a power of two dividing C / BK, enough programs to fill the
-    GPU, partial sums at most 1/PARTIALS_SHARE of the weight."""
+def splits(rows: int, c: int, o: int, itemsize: int, programs: int = DEFAULT_LAUNCH.stack_programs) -> int:
+    """How many pieces C is split into: a power of two dividing C / BK, up to `programs` programs,
+    partial sums at most 1/PARTIALS_SHARE of the weight."""
     steps = c // BK
     s = 1
-    while (steps % (2 * s) == 0 and (o // BO) * s < TARGET_PROGRAMS
+    while (steps % (2 * s) == 0 and (o // BO) * s < programs
            and 2 * s * next_pow2(rows) * 4 * PARTIALS_SHARE <= c * itemsize):
         s *= 2
     return s
@@ -66,9 +65,10 @@ def _kernel(layer_ref, x_ref, w_ref, out_ref, *, steps: int):
 
 
 def partial_products(x_RC: jax.Array, stack_LCO: jax.Array, layer: int | jax.Array, *,
-                     interpret: bool | None = None) -> jax.Array:
+                     interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
     """x [R, C] @ stack[layer] [C, O] as float32 partial sums [S, R, O] over S pieces of C (their sum
-    is the product). `layer` an int32 scalar; x and the stack in one floating dtype."""
+    is the product; `launch.stack_programs` sizes the split). `layer` an int32 scalar; x and the stack
+    in one floating dtype."""
     r, c = x_RC.shape
     _, c_w, o = stack_LCO.shape
     if c_w != c:
@@ -77,16 +77,16 @@ def partial_products(x_RC: jax.Array, stack_LCO: jax.Array, layer: int | jax.Arr
         raise ValueError(f"stack_matmul: {r} rows of a [{c}, {o}] weight: needs 1..{MAX_ROWS} rows, "
                          f"C a multiple of {BK} and O of {BO}")
     br = max(16, next_pow2(r))  # Triton's smallest dot
-    s = splits(r, c, o, jnp.dtype(stack_LCO.dtype).itemsize)
+    s = splits(r, c, o, jnp.dtype(stack_LCO.dtype).itemsize, launch.stack_programs)
     x = pad_axis(x_RC, 0, br)
     layer_1 = index_operand([layer])
-    parts = pl.pallas_call(
+    parts = triton_call(
         functools.partial(_kernel, steps=c // BK // s),
         out_shape=jax.ShapeDtypeStruct((s, br, o), jnp.float32),
         grid=(o // BO, s),
         in_specs=[whole(layer_1), whole(x), whole(stack_LCO)],
         out_specs=pl.BlockSpec((None, br, BO), lambda oi, si: (si, 0, oi)),
         name="stack_matmul",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )(layer_1, x, stack_LCO)
     return parts[:, :r]

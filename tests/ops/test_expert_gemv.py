@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
-from ling_jax.layers.norms import gated_rms_norm, rms_norm
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.expert_gemv import GatedRows, add_partials, gathered_products, normed_rows, output_tile, supported
+from ling_jax.ops.norms import gated_rms_norm, rms_norm
 
 
 def _case(rng, m, e, c, o, dtype):

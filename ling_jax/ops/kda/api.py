@@ -8,7 +8,9 @@ for implementations that do not fuse them.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import numpy as np
 
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.kda.pallas_chunk import bounded_gate, decay_in_range, supports
+from ling_jax.ops.platform import GPU_PLATFORMS, on_platform
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
 DEFAULT_CHUNK = 64  # `chunk_size` of `kimi_delta_attention` unless given
@@ -33,36 +36,12 @@ def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
     return fused_gate and bounded_gate(lower_bound)
 
 
-def on_accelerator() -> bool:
-    """Whether the default backend has the Pallas KDA kernels (GPU or TPU)."""
-    return jax.default_backend() in ("gpu", "tpu")
-
-
-def on_gpu() -> bool:
-    """Whether the default backend is a GPU (the chunk the kernels run at depends on it)."""
-    return jax.default_backend() == "gpu"
-
-
 def kernel_chunk(chunk_size: int, gpu: bool) -> int:
     """The chunk the Pallas kernels run a call of `chunk_size` at: GPU_KERNEL_CHUNK on a GPU where it
-    divides `chunk_size`, else `chunk_size`. The result is the same up to rounding; the
-    chunk states asked for are taken every `chunk_size / GPU_KERNEL_CHUNK` kernel chunks. On the
-    H200 (B=1, T=8192, K=V=128, bf16, same runs): H=64 forward 1.94-2.06 ms at 32 vs 2.69-2.81 at
-    64, forward+backward 6.43-6.63 vs 8.57-8.98; H=16 0.80-0.96 vs 1.09-1.21 and 2.28-2.51 vs
-    3.07-3.23 (BENCHMARKS.md). A TPU runs the chunk asked for (not measured there)."""
+    divides `chunk_size` (faster there: BENCHMARKS.md, KDA), else `chunk_size`. The result is the same
+    up to rounding; the chunk states asked for are taken every `chunk_size / GPU_KERNEL_CHUNK` kernel
+    chunks."""
     return GPU_KERNEL_CHUNK if gpu and chunk_size % GPU_KERNEL_CHUNK == 0 else chunk_size
-
-
-def resolve_impl(impl: str, safe_gate: bool = True, supported: bool = True) -> str:
-    """Maps `auto` to the fastest implementation of the default backend that is exact for the gate by
-    construction: the Pallas kernels on GPU/TPU when `safe_gate` (`pallas_safe_gate`) and the shapes
-    are `supported` (`pallas_chunk.supports`), else the chunked XLA path (`kimi_delta_attention`
-    then still takes the kernels where the data allows)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    return "pallas" if safe_gate and supported and on_accelerator() else "chunked"
 
 
 def kimi_delta_attention(
@@ -94,35 +73,59 @@ def kimi_delta_attention(
     may reach -inf (a decay to zero). Every argument is checked, with an error naming it.
     Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] float32), plus the states
     entering each chunk [B, ceil(T / chunk_size), H, K, V] when `return_chunk_states`.
-    The Pallas kernels may run at a chunk dividing `chunk_size` (`kernel_chunk`: 32 on a GPU).
+    `impl`: "reference", "chunked", "pallas" (the kernels: Triton where the program is lowered for a
+    GPU, Mosaic where for a TPU, interpret mode on CPU, chosen at lowering: `ops.platform`) or "auto":
+    where lowered for a GPU or TPU the kernels when the gate is bounded by construction
+    (`pallas_safe_gate`) and the shapes `pallas_chunk.supports` them, else, on an unbounded gate,
+    the kernels where the data keep the decay in their range (`decay_in_range`) and the chunked
+    path where not; on CPU the chunked path. The kernels may run at a chunk dividing `chunk_size`
+    (`kernel_chunk`: 32 on a GPU).
     """
     scale, lower_bound, a_log, dt_bias = _checked(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids,
                                                   a_log, dt_bias, lower_bound)
     if q.shape[1] == 0:  # no tokens: the state passes through
         return _empty(q, v, initial_state, return_chunk_states)
-    safe = pallas_safe_gate(a_log is not None, lower_bound)
-    supported = supports(chunk_size, q.shape[-1], v.shape[-1])
-    # a gate not bounded by construction: the kernels where the data allows, else the chunked path
-    checked = impl == "auto" and not safe and supported and on_accelerator()
-    impl = resolve_impl(impl, safe, supported)
-    if checked:
-        opts = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size, segment_ids=segment_ids,
-                    return_chunk_states=return_chunk_states, use_qk_l2norm=use_qk_l2norm, a_log=a_log,
-                    dt_bias=dt_bias, lower_bound=lower_bound)
-        g_log = g if a_log is None else kda_gate(g, a_log, dt_bias, lower_bound)
-        return jax.lax.cond(decay_in_range(g_log),
-                            lambda *x: kimi_delta_attention(*x, impl="pallas", **opts),
-                            lambda *x: kimi_delta_attention(*x, impl="chunked", **opts), q, k, v, g, beta)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
+    opts = dict(scale=scale, initial_state=initial_state, chunk_size=chunk_size, segment_ids=segment_ids,
+                return_chunk_states=return_chunk_states, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                lower_bound=lower_bound)
+    if impl == "auto":
+        chunked = functools.partial(kimi_delta_attention, impl="chunked", **opts)
+        kernels = _accelerator_form(q, v, chunk_size, a_log is not None, lower_bound, opts)
+        return on_platform(lambda p: chunked if p == "cpu" else kernels, q, k, v, g, beta)
+    if impl != "pallas":
+        return _run(impl, chunk_size, q, k, v, g, beta, **opts)
+    forms = {p: functools.partial(_run, "pallas", kernel_chunk(chunk_size, p in GPU_PLATFORMS), **opts,
+                                  backend="tpu" if p == "tpu" else "triton", interpret=p == "cpu")
+             for p in ("cpu", "cuda", "tpu")}
+    return on_platform(lambda p: forms["cuda" if p in GPU_PLATFORMS else p], q, k, v, g, beta)
+
+
+def _accelerator_form(q: jax.Array, v: jax.Array, chunk_size: int, fused_gate: bool, lower_bound: float | None,
+                      opts: dict) -> Callable[..., tuple[jax.Array, ...]]:
+    """What impl "auto" runs where the program is lowered for a GPU or TPU (see `kimi_delta_attention`)."""
+    run = functools.partial(kimi_delta_attention, **opts)
+    if not supports(chunk_size, q.shape[-1], v.shape[-1]):
+        return functools.partial(run, impl="chunked")
+    if pallas_safe_gate(fused_gate, lower_bound):
+        return functools.partial(run, impl="pallas")
+
+    def checked(q, k, v, g, beta):
+        g_log = g if opts["a_log"] is None else kda_gate(g, opts["a_log"], opts["dt_bias"], lower_bound)
+        return jax.lax.cond(decay_in_range(g_log), functools.partial(run, impl="pallas"),
+                            functools.partial(run, impl="chunked"), q, k, v, g, beta)
+
+    return checked
+
+
+def _run(impl: str, run_chunk: int, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+         chunk_size: int, return_chunk_states: bool, use_qk_l2norm: bool, a_log: jax.Array | None,
+         dt_bias: jax.Array | None, lower_bound: float | None, **kw: object) -> tuple[jax.Array, ...]:
+    """One implementation at chunk `run_chunk`, its chunk states taken every `chunk_size`."""
     module, name = _MODULES[impl]
     fn = getattr(importlib.import_module(module), name)
-    run_chunk = kernel_chunk(chunk_size, on_gpu()) if impl == "pallas" else chunk_size
-    kwargs = dict(
-        scale=scale,
-        initial_state=initial_state,
-        segment_ids=segment_ids,
-        chunk_size=run_chunk,
-        return_chunk_states=return_chunk_states,
-    )
+    kwargs = dict(kw, chunk_size=run_chunk, return_chunk_states=return_chunk_states)
     if getattr(fn, "fuses_gate_and_norm", False):
         outs = fn(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
                   lower_bound=lower_bound, **kwargs)

@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ling_jax.ops.pallas_gpu import call_options, is_pow2
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, is_pow2, triton_call
 
 BV = 32  # state columns per program (16 when rows x heads are too few to fill the GPU)
-MIN_PROGRAMS = 132
 NUM_WARPS = 4
 
 
@@ -61,18 +60,19 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, 
 
 def kda_decode_step_pallas(
     q_BHK: jax.Array, k_BHK: jax.Array, v_BHV: jax.Array, g_BHK: jax.Array, beta_BH: jax.Array,
-    state_BHKV: jax.Array, *, scale: float, interpret: bool | None = None,
+    state_BHKV: jax.Array, *, scale: float, interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH,
 ) -> tuple[jax.Array, jax.Array]:
-    """`kda_decode_step` as one Pallas kernel (same arguments and results); the state is updated in place."""
+    """`kda_decode_step` as one Pallas kernel (same arguments and results); the state is updated in place.
+    Narrower blocks of V where fewer than `launch.kda_programs` programs would run."""
     b, h, dk = q_BHK.shape
     dv = v_BHV.shape[-1]
     if not pallas_supported(dk, dv):
         raise ValueError(f"kda_decode_step_pallas: K={dk} and V={dv} must be powers of two >= 16")
-    bv = min(BV, dv) if b * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(16, dv)
+    bv = min(BV, dv) if b * h * dv // min(BV, dv) >= launch.kda_programs else min(16, dv)
     vec_k = pl.BlockSpec((None, None, dk), lambda bi, hi, vi: (bi, hi, 0))
     vec_v = pl.BlockSpec((None, None, bv), lambda bi, hi, vi: (bi, hi, vi))
     state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, vi: (bi, hi, 0, vi))
-    o_BHV, s_BHKV = pl.pallas_call(
+    o_BHV, s_BHKV = triton_call(
         functools.partial(_step_kernel, scale=scale),
         out_shape=[jax.ShapeDtypeStruct((b, h, dv), v_BHV.dtype), jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32)],
         grid=(b, h, dv // bv),
@@ -80,6 +80,6 @@ def kda_decode_step_pallas(
         out_specs=[vec_v, state],
         input_output_aliases={5: 1},
         name="kda_decode_step",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
     )(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH[..., None], state_BHKV.astype(jnp.float32))
     return o_BHV, s_BHKV

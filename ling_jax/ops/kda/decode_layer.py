@@ -31,10 +31,9 @@ from jax.experimental import pallas as pl
 
 from ling_jax.ops.kda.gate import l2_normalize, log_decay
 from ling_jax.ops.layer_gemv import WeightStack
-from ling_jax.ops.pallas_gpu import call_options, index_operand, is_pow2, whole
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, index_operand, is_pow2, triton_call, whole
 
 BV = 32  # state columns per program (16 when rows x heads x V / 32 would not fill the GPU)
-MIN_PROGRAMS = 132
 NUM_WARPS = 4
 
 
@@ -44,7 +43,7 @@ class KdaCacheStack:
     """One KDA layer's decode cache, left inside its segment's stacks. `kda_decode_layer` updates the
     layer's state in the state stack in place and returns the layer's new window apart (`window`):
     every program of a head reads the head's q/k window, so none may overwrite it during the kernel;
-    the caller writes the windows back after the step (`model._KdaCaches`)."""
+    the caller writes the windows back after the step (`ling_jax.decode.views.KdaCaches`)."""
 
     state: jax.Array  # [L, B, H, K, V] float32
     conv: jax.Array  # [L, B, W-1, 3P] the last W-1 q|k|v inputs, activation dtype
@@ -119,6 +118,7 @@ def _kernel(idx_ref, *refs, n_src: int, roles: tuple, p: int, dk: int, dv: int, 
 def kda_decode_layer(
     inputs: Inputs, cache: KdaCacheStack, conv_w: jax.Array | WeightStack, a_log: jax.Array | WeightStack,
     dt_bias: jax.Array | WeightStack, *, lower_bound: float | None, interpret: bool | None = None,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> tuple[jax.Array, jax.Array, KdaCacheStack]:
     """One token per row through a KDA layer's conv, gate and recurrence: (o [B, H, V] in the
     activation dtype, before the output norm; o's sums of squares [B, H, J] float32 over each of a
@@ -129,7 +129,8 @@ def kda_decode_layer(
     conv weights [3P, W]; a_log [H]; dt_bias [H * K] — each the layer's array or a `WeightStack`
     view. The state stack must be float32; the window stack is in the activation dtype. Programs
     run over (row, head, block of V columns), each recomputing its head's q and k (a few hundred
-    values) so that one row keeps ~128 programs busy. `interpret` defaults to True off GPU.
+    values) so that one row keeps ~128 programs busy; narrower blocks of V where fewer than
+    `launch.kda_programs` would run. `interpret` defaults to the lowering platform's choice.
     """
     bsz, h, dk, dv = cache.state.shape[1:5]
     w = cache.conv.shape[2] + 1
@@ -150,9 +151,9 @@ def kda_decode_layer(
     layers = [cache.layer, *(layer for _, layer in stacks)]
     idx = index_operand(layers)
     operands = [idx, *arrays, *(s for s, _ in stacks), cache.state, cache.conv]
-    bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= MIN_PROGRAMS else min(BV // 2, dv)
+    bv = min(BV, dv) if bsz * h * dv // min(BV, dv) >= launch.kda_programs else min(BV // 2, dv)
     vec = pl.BlockSpec((bsz, h, dv), lambda *_: (0, 0, 0))
-    o, ss, state, window = pl.pallas_call(
+    o, ss, state, window = triton_call(
         functools.partial(_kernel, n_src=len(arrays), roles=tuple((slot[id(a)], col) for a, col in roles), p=p,
                           dk=dk, dv=dv, width=w, bv=bv, scale=dk**-0.5, lower_bound=lower_bound),
         out_shape=[jax.ShapeDtypeStruct((bsz, h, dv), dtype), jax.ShapeDtypeStruct((bsz, h, dv // bv), jnp.float32),
@@ -164,6 +165,6 @@ def kda_decode_layer(
                    pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
         input_output_aliases={len(operands) - 2: 2},
         name="kda_decode_layer",
-        **call_options(interpret, num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
     )(*operands)
     return o, ss, dataclasses.replace(cache, state=state, window=window)

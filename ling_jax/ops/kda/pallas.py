@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from ling_jax.ops.kda import pallas_chunk as pc
 from ling_jax.ops.kda.gate import inv_l2_norm, kda_gate
 from ling_jax.ops.kda.reference import segment_starts
+from ling_jax.ops.platform import GPU_PLATFORMS, on_platform
 from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
@@ -542,15 +543,6 @@ _core.defvjp(_core_fwd, _core_bwd)
 # ---------------------------------------------------------------------------------------------
 
 
-def _default_backend() -> tuple[str, bool]:
-    plat = jax.default_backend()
-    if plat == "gpu":
-        return "triton", False
-    if plat == "tpu":
-        return "tpu", False
-    return "triton", True
-
-
 def _segment_masks(segment_ids: jax.Array, c: int, t_pad: int) -> tuple[jax.Array, ...]:
     """[B, T] ids -> (m, e, s) [B, T_pad] float32: row continues the chunk's incoming state, row is
     in the chunk's last segment, monotone segment index."""
@@ -593,8 +585,9 @@ def kda_pallas(
 
     `g` is the log decay, or the raw gate input when `a_log` is given (then `dt_bias` is required
     and the gate is `lower_bound * sigmoid(exp(a_log) * (g + dt_bias))`, or the softplus gate when
-    `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret` default to the platform
-    (CPU: the Triton-style kernels in interpret mode). chunk_size: 16, 32, 64 or 128.
+    `lower_bound` is None). `backend` ("triton" | "tpu") and `interpret`, where not given, are
+    chosen where the program is lowered (`ops.platform`): Triton on a GPU, the TPU kernels on a TPU,
+    the Triton-style kernels in interpret mode on CPU. chunk_size: 16, 32, 64 or 128.
     `block_v` / `block_v_bwd` / `block_k` / `block_k_kv`: tile sizes of the kernels (`Cfg.bv`,
     `Cfg.bv_bwd`, `Cfg.bk`, `Cfg.bk_kv`), defaults per backend and chunk size (`default_tiles`);
     `num_warps`: warps per program on GPU by kernel group, overriding the default (e.g. {"dqkg": 8}).
@@ -614,9 +607,15 @@ def kda_pallas(
                          f"got chunk_size={c}, K={dk}, V={dv}")
     if a_log is not None and dt_bias is None:
         raise ValueError("a_log given without dt_bias")
-    dback, dinterp = _default_backend()
-    backend = backend or dback
-    interpret = dinterp if interpret is None else interpret
+    if backend is None or interpret is None:
+        kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids, chunk_size=chunk_size,
+                  return_chunk_states=return_chunk_states, use_qk_l2norm=use_qk_l2norm, a_log=a_log, dt_bias=dt_bias,
+                  lower_bound=lower_bound, block_v=block_v, block_v_bwd=block_v_bwd, num_warps=num_warps,
+                  block_k=block_k, block_k_kv=block_k_kv)
+        forms = {p: functools.partial(kda_pallas, **kw, backend=backend or ("tpu" if p == "tpu" else "triton"),
+                                      interpret=p == "cpu" if interpret is None else interpret)
+                 for p in ("cpu", "cuda", "tpu")}
+        return on_platform(lambda p: forms["cuda" if p in GPU_PLATFORMS else p], q, k, v, g, beta)
     nt = max(1, math.ceil(t / c))
     t_pad = nt * c
     # bf16 operands run the dots in bf16; anything else (float32, float16: too narrow a range for the
