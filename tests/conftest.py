@@ -34,6 +34,39 @@ if not os.environ.get("LING_JAX_TEST_CACHE"):
 GOLDEN = Path(__file__).parent / "golden"
 
 
+_DECODE_STEP = None
+
+
+def decode_one(cfg, params, cache, tok, unroll=True, **override):
+    """`ling_jax.decode.decode_step` jitted, with the kernels `select` picks for it (fields of the record
+    `override`n): (cache, logits)."""
+    import dataclasses
+
+    from ling_jax.decode import decode_step
+    from ling_jax.kernels import select
+
+    global _DECODE_STEP
+    _DECODE_STEP = _DECODE_STEP or jax.jit(decode_step, static_argnums=(0, 1, 5))
+    kernels = dataclasses.replace(select(cfg, dtype=params["embed"].dtype, decode=True, unroll=unroll), **override)
+    return _DECODE_STEP(cfg, kernels, params, cache, tok, unroll)
+
+
+def prefill_cache(cfg, params, ids, lengths, max_len):
+    """`ling_jax.decode.prefill` with the kernels `select` picks for it: (cache, last logits)."""
+    from ling_jax.decode import prefill
+    from ling_jax.kernels import select
+
+    return prefill(cfg, select(cfg, dtype=params["embed"].dtype, inference=True), params, ids, lengths, max_len)
+
+
+def fused_params(cfg, params):
+    """`ling_jax.decode.fuse_for_decode` of `params` (the decode loop's params)."""
+    from ling_jax.decode import fuse_for_decode
+    from ling_jax.kernels import select
+
+    return fuse_for_decode(cfg, select(cfg, dtype=params["embed"].dtype, decode=True), params)
+
+
 def rel_l2(x, y) -> float:
     """||x - y|| / ||y|| over the whole array, in float64."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)

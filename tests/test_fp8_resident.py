@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, rel_l2
+from conftest import GOLDEN, decode_one, prefill_cache, rel_l2
 
 import ling_jax
 from ling_jax.checkpoint.convert import convert_hf_to_orbax
 from ling_jax.checkpoint.fp8 import FP8, BlockFP8, is_block_fp8
-from ling_jax.generate import decode_step, prefill
 
 FP8_SRC = GOLDEN / "ling3_tiny_a_fp8"
 
@@ -67,12 +66,11 @@ def test_fp8_resident_greedy_decode_matches_golden(resident_f32):
     prompts = g["decode_prompt_ids"].tolist()
     assert ling_jax.generate(cfg, params, prompts, max_new_tokens=16, stop_tokens=()) == \
         g["decode_generated_ids"].tolist()
-    step = jax.jit(decode_step, static_argnums=0)
-    cache, logits = prefill(cfg, params, jnp.asarray(g["decode_prompt_ids"]), jnp.full((2,), 12, jnp.int32), 28)
+    cache, logits = prefill_cache(cfg, params, jnp.asarray(g["decode_prompt_ids"]), jnp.full((2,), 12, jnp.int32), 28)
     for s in range(16):
         assert rel_l2(logits, g["decode_step_logits"][:, s]) < 1e-5, f"step {s}"
         if s < 15:
-            cache, logits = step(cfg, params, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
+            cache, logits = decode_one(cfg, params, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
 
 
 @pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases

@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import decode_one as _step
+from conftest import fused_params as _fused
+from conftest import prefill_cache as _prefill
 from conftest import rel_l2
 
 import ling_jax
 from ling_jax.cache import cache_bytes, cache_length, cache_shapes, nbytes
 from ling_jax.config import LingConfig
-from ling_jax.decode import decode_step, fuse_for_decode, prefill
 from ling_jax.decode import layers as decode_layers
 from ling_jax.decode.views import FUSED_INPUT, LINEAR_LEAVES, stackable
 from ling_jax.generate import generate
@@ -23,22 +25,6 @@ from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.attention import attention_mask
 from ling_jax.params import get_path, init_params, layer_params, layer_stacks
-
-_step_jit = jax.jit(decode_step, static_argnums=(0, 1, 5))
-
-
-def _step(cfg, params, cache, tok, unroll=True, **override):
-    """One decode step with the kernels `select` picks for it (fields of the record `override`n)."""
-    kernels = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=unroll)
-    return _step_jit(cfg, dataclasses.replace(kernels, **override), params, cache, tok, unroll)
-
-
-def _prefill(cfg, params, ids, lengths, max_len):
-    return prefill(cfg, select(cfg, dtype=params["embed"].dtype, inference=True), params, ids, lengths, max_len)
-
-
-def _fused(cfg, params):
-    return fuse_for_decode(cfg, select(cfg, dtype=params["embed"].dtype, decode=True), params)
 
 
 def _teacher_forced(cfg, params, prompt_BT, lengths, forced_BN, max_len, unroll=False, **override):

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import rel_l2
 
-from ling_jax.config import ConfigError, LingConfig
+from ling_jax.config import LingConfig
 from ling_jax.layers.kda import short_conv
 from ling_jax.layers.moe import route
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.ops import moe as moe_ops
-from ling_jax.ops import pallas_gpu
 from ling_jax.ops.moe import routed_experts
 from ling_jax.ops.norms import rms_norm
 from ling_jax.ops.swiglu import swiglu_act
-from ling_jax.sharding import make_mesh
 
 
 def test_swiglu_clamp():
@@ -94,52 +90,25 @@ def test_ragged_experts_equal_dense_including_skew():
             b = routed_experts(x, idx, w, wg, wu, wd, impl="dense", limit=0.5)
             for impl in impls:
                 assert rel_l2(routed_experts(x, idx, w, wg, wu, wd, impl=impl, limit=0.5), b) < 1e-6, impl
-    assert moe_ops.resolve_impl("gemv", jnp.float32, 60) == "gemv"
-    assert moe_ops.resolve_impl("gemv", jnp.float32, 65) == moe_ops.resolve_impl("auto", jnp.float32, 65)
 
 
-def test_auto_picks_the_decode_kernels_on_one_gpu(monkeypatch):
-    """"auto" runs the Pallas decode kernels only where they were timed (a GPU; the gemv kernel only on
-    one, with `ExpertStack` weights it can tile), and the XLA forms elsewhere (here: the CPU)."""
-    cfg = LingConfig.preset("debug")
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
-    assert not cfg.pallas_decode("mla") and not cfg.pallas_decode("kda")
-    assert not dataclasses.replace(cfg, qk_rope_head_dim=16).pallas_attention(jnp.bfloat16)  # CPU: XLA
-    assert dataclasses.replace(cfg, qk_rope_head_dim=16, attention_impl="pallas").pallas_attention(jnp.float32)
-    with pytest.raises(ConfigError, match="attention_impl"):
-        dataclasses.replace(cfg, attention_impl="pallas")  # rope width 8: the kernels cannot tile it
-    assert dataclasses.replace(cfg, decode_impl="pallas").pallas_decode("kda")
-    monkeypatch.setattr(pallas_gpu, "on_gpu", lambda: True)  # an sm80+ NVIDIA GPU
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gemv"
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=False) == "gather"
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 65, stacked=True) != "gemv"
-    assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")
-    assert not dataclasses.replace(cfg, decode_impl="xla").pallas_decode("mla")
-    assert not dataclasses.replace(cfg, head_dim=24).pallas_decode("kda")  # not a power of two
-    # the fused MLA attention: on a GPU for 16-bit activations and power-of-two head dims >= 16
-    fused = dataclasses.replace(cfg, qk_rope_head_dim=16)
-    assert fused.pallas_attention(jnp.bfloat16) and not fused.pallas_attention(jnp.float32)
-    assert not cfg.pallas_attention(jnp.bfloat16)  # debug's rope width 8
-    assert not dataclasses.replace(fused, attention_impl="xla").pallas_attention(jnp.bfloat16)
+def test_gemv_tiles_and_the_shared_expert_in_the_launches():
+    """The gemv kernel reads `ExpertStack`s in place only in their own dtype and where it tiles them; the
+    shared expert rides in its launches only at the routed width, and only on that path."""
     w_in, w_out = (moe_ops.ExpertStack(jnp.zeros((2, 8, *s)), jnp.int32(1)) for s in ((64, 16), (16, 64)))
     assert moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.float32)
     assert not moe_ops.gemv_tiles((w_in, w_in, w_out), jnp.bfloat16)  # would convert the whole stacks
     assert not moe_ops.gemv_tiles((w_in, jnp.zeros((8, 64, 16)), w_out), jnp.float32)
     assert not moe_ops.gemv_tiles((moe_ops.ExpertStack(jnp.zeros((2, 8, 64, 12)), jnp.int32(1)),) * 3, jnp.float32)
-    assert moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 16)
-    assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 16, 64, 24)  # no tile: the plain slices
-    assert not moe_ops.wants_stacks("auto", jnp.bfloat16, 128, 64, 16)  # beyond decode sizes
-    # the shared expert rides in the gemv launches only at the routed width, and only on that path
     assert moe_ops.shared_fits(64, 16, 16) and not moe_ops.shared_fits(64, 16, 32)
     one = moe_ops.ExpertStack(jnp.zeros((2, 1, 64, 32)), jnp.int32(0))
     shared = moe_ops.SharedStacks(one, moe_ops.ExpertStack(jnp.zeros((2, 1, 16, 64)), jnp.int32(0)), jnp.float32(0))
     with pytest.raises(ValueError, match="gemv kernel on expert stacks"):
         moe_ops.routed_experts(jnp.zeros((1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), w_in, w_in, w_out,
                                impl="gather", shared=shared)
-    with jax.set_mesh(make_mesh(expert=2)):  # a multi-device mesh: the decode-step kernels per
-        assert cfg.pallas_decode("mla") and cfg.pallas_decode("kda")  # shard, the experts on the XLA path
-        assert moe_ops.resolve_impl("auto", jnp.bfloat16, 16, stacked=True) == "gather"
-        assert not moe_ops.wants_stacks("gemv", jnp.bfloat16, 16, 64, 16)
+    with pytest.raises(ValueError, match="resolved by ling_jax.kernels"):
+        moe_ops.routed_experts(jnp.zeros((1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), w_in, w_in, w_out,
+                               impl="auto")
 
 
 def test_short_conv_state_continues_sequence():
@@ -219,35 +188,3 @@ def test_routed_partial_non_local_experts_values_gradients_and_counts():
     assert float(jnp.abs(ga[0][-2:]).max()) == 0.0  # padding rows: no expert, no gradient
     want = np.bincount(np.asarray(idx).reshape(-1), minlength=e + 1)[:e]
     np.testing.assert_array_equal(moe_ops.expert_counts(idx, e), want)
-
-
-@pytest.mark.heavy  # slow on 2 cores; CI runs it with the heavy cases
-def test_kda_layer_takes_the_kernels_on_a_gpu_with_and_without_padding(monkeypatch):
-    """The KDA layer resolves "auto" with its own gate (the config's safe gate): on a GPU it runs the
-    Pallas kernels both when the gate is fused (no padding) and when it is precomputed for padded
-    prompts (prefill); with the softplus gate (no lower bound) it runs the chunked path. The chunk is
-    the op's default (on a GPU the kernels run at theirs, `api.kernel_chunk`)."""
-    import ling_jax
-    from ling_jax.layers import kda as kda_layer
-    from ling_jax.ops.kda import api
-    from ling_jax.params import init_params
-
-    seen: list[tuple[str, int | None]] = []
-    real = kda_layer.kimi_delta_attention
-
-    def spy(*a, impl, **kw):
-        seen.append((impl, kw.get("chunk_size")))
-        return real(*a, impl="chunked", **kw)
-
-    monkeypatch.setattr(kda_layer, "kimi_delta_attention", spy)
-    monkeypatch.setattr(api, "on_accelerator", lambda: True)  # a GPU, as far as "auto" is concerned
-    monkeypatch.setattr(api, "on_gpu", lambda: True)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 8)))
-    mask = jnp.asarray([[1] * 8, [1] * 5 + [0] * 3])
-    for bound, want in ((-5.0, ("pallas", None)), (None, ("chunked", None))):
-        cfg = LingConfig.preset("debug", kda_lower_bound=bound)
-        params = init_params(cfg, seed=1)
-        for attention_mask in (None, mask):
-            seen.clear()
-            ling_jax.forward(cfg, params, ids, attention_mask=attention_mask)
-            assert seen and set(seen) == {want}, (bound, attention_mask is None, seen)

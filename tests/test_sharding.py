@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, rel_l2
+from conftest import GOLDEN, decode_one, prefill_cache, rel_l2
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,14 +28,12 @@ import ling_jax
 from ling_jax import distributed, sharding
 from ling_jax.cache import cache_bytes
 from ling_jax.config import LingConfig
-from ling_jax.generate import decode_step
 from ling_jax.layers.moe import moe
 from ling_jax.ops import moe as moe_ops
 from ling_jax.params import layer_params, param_slots
 
 MESHES = {"1x8": dict(expert=8), "2x4": dict(data=2, expert=4), "2x2x2": dict(data=2, expert=2, tensor=2)}
 HERE = Path(__file__).resolve().parent
-_STEP = jax.jit(decode_step, static_argnums=0)
 
 
 @functools.cache
@@ -254,16 +252,14 @@ def test_generate_through_mesh(golden_a):
 def _golden_steps_under_mesh(g, **overrides):
     """Prefill + 3 teacher-forced golden decode steps under the 2x2x2 mesh, each step's logits checked
     against the reference's: (mesh, cfg, sharded params, the cache after the steps)."""
-    from ling_jax.generate import prefill
-
     mesh, cfg, sparams = sharded_golden("2x2x2")
     cfg = dataclasses.replace(cfg, **overrides)
     prompt = jnp.asarray(g["decode_prompt_ids"])
     with jax.set_mesh(mesh):
-        cache, logits = prefill(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
+        cache, logits = prefill_cache(cfg, sparams, prompt, jnp.full((2,), prompt.shape[1], jnp.int32), 28)
         for s in range(3):
             assert rel_l2(logits, g["decode_step_logits"][:, s]) < 1e-5, s
-            cache, logits = _STEP(cfg, sparams, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
+            cache, logits = decode_one(cfg, sparams, cache, jnp.asarray(g["decode_generated_ids"][:, s]))
         assert rel_l2(logits, g["decode_step_logits"][:, 3]) < 1e-5
     return mesh, cfg, sparams, cache
 
@@ -279,8 +275,8 @@ def test_decode_caches_follow_the_table(golden_a):
     forced = g["decode_generated_ids"]
     with jax.set_mesh(mesh):
         # a cache given replicated (here: empty) comes out of a step laid out by the table too
-        fresh, _ = _STEP(cfg, sparams, jax.device_put(init_cache(cfg, 2, 28, jnp.float32), NamedSharding(mesh, P())),
-                         jnp.asarray(forced[:, 0]))
+        fresh, _ = decode_one(cfg, sparams, jax.device_put(init_cache(cfg, 2, 28, jnp.float32),
+                                                           NamedSharding(mesh, P())), jnp.asarray(forced[:, 0]))
     for c in (cache, fresh):
         leaves = jax.tree_util.tree_leaves_with_path(c["segments"])
         assert {p[-1].key for p, _ in leaves} == set(ROLES)
@@ -460,13 +456,6 @@ def test_routed_experts_kernels_equal_dense(kernel, mgpu_dw_on_cpu):
             assert rel_l2(a.astype(jnp.float32), b.astype(jnp.float32)) <= tol
 
 
-def test_resolve_impl():
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16) == "ragged"  # CPU
-    assert moe_ops.resolve_impl("mgpu", jnp.float32) == "mgpu"
-    with pytest.raises(ValueError, match="moe impl"):
-        moe_ops.resolve_impl("cuda", jnp.float32)
-
-
 # ----------------------------------------------------------------------------- multi-host
 
 
@@ -570,7 +559,6 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
     data x expert x tensor mesh (`sharding.per_shard`): the teacher-forced step logits stay golden and
     the caches keep the table's layout."""
     from ling_jax.cache import ROLES
-    from ling_jax.generate import prefill
 
     _, _, g = golden_a
     mesh, cfg, sparams, cache = _golden_steps_under_mesh(g, decode_impl="pallas")
@@ -585,8 +573,8 @@ def test_pallas_decode_kernels_under_a_mesh(golden_a):
     with jax.set_mesh(mesh):
         for impl in ("xla", "pallas"):
             c = dataclasses.replace(cfg, decode_impl=impl)
-            cache, _ = prefill(c, sparams, ids, lengths, 28)
-            out[impl] = _STEP(c, sparams, cache, nxt)[1]
+            cache, _ = prefill_cache(c, sparams, ids, lengths, 28)
+            out[impl] = decode_one(c, sparams, cache, nxt)[1]
     assert rel_l2(out["pallas"], out["xla"]) < 1e-5
 
 

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax import sharding
 from ling_jax.config import LingConfig
 from ling_jax.kernels import Kernels
+from ling_jax.kernels import select as select_kernels
 from ling_jax.layers.mlp import mlp
 from ling_jax.ops.moe import EXPERT_LEAVES, expert_counts, routed_experts, routed_partial
 from ling_jax.ops.route_pallas import combine_weights, select_experts
@@ -71,9 +72,11 @@ def select(logits_NE: jax.Array, bias_E: jax.Array, cfg: LingConfig) -> tuple[ja
 
 
 def route(x_ND: jax.Array, w_router_DE: jax.Array, bias_E: jax.Array, cfg: LingConfig,
-          kernels: Kernels) -> tuple[jax.Array, jax.Array, jax.Array]:
+          kernels: Kernels | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] f32, router logits [N, E] f32): `select`
-    on the router's logits, as one Pallas kernel where `kernels.route_for(N)` (same result)."""
+    on the router's logits, as one Pallas kernel where `kernels.route_for(N)` (same result).
+    `kernels`: default `kernels.select` for x's dtype."""
+    kernels = kernels or select_kernels(cfg, dtype=x_ND.dtype)
     logits_NE = router_logits(x_ND, w_router_DE, kernels)
     if kernels.route_for(x_ND.shape[0]):
         idx_NK, w_NK = select_experts(logits_NE, bias_E, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -140,15 +143,18 @@ def expert_parallel(
     return y_ND[:n], counts_E
 
 
-def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, kernels: Kernels, limit: jax.Array | float = 0.0,
-        shared_limit: jax.Array | float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, kernels: Kernels | None = None,
+        limit: jax.Array | float = 0.0, shared_limit: jax.Array | float = 0.0
+        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [..., D] -> ([..., D], router aux).
 
     Aux: per token (flattened to [N, ...]) "topk_idx", "topk_weight", "logits"; and
     "expert_counts" [E] int32, the copies routed to each expert summed over every token of the
     call (the global batch under a mesh) — what the aux-loss-free bias update needs. The routed
-    experts run `kernels.moe_for(N x k)`; under a multi-device mesh, expert-parallel (module doc).
+    experts run `kernels.moe_for(N x k)` (default record: `kernels.select` for x's dtype); under a
+    multi-device mesh, expert-parallel (module doc).
     """
+    kernels = kernels or select_kernels(cfg, dtype=x.dtype)
     x_ND = x.reshape(-1, x.shape[-1])
     with jax.named_scope("router"):
         idx_NK, w_NK, logits_NE = route(x_ND, p["router"], p["expert_bias"], cfg, kernels)

@@ -192,10 +192,12 @@ def test_routed_experts_aligned_equals_dense_multi_tile(mgpu_dw_on_cpu):
     routed_equals_dense(idx, jnp.asarray(rng.random((n, k)), jnp.float32), x, ws, first=4)
 
 
-def test_auto_picks_aligned_on_hopper(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(moe_ops, "_is_sm90", lambda: True)
-    assert moe_ops.resolve_impl("auto", jnp.bfloat16, 4096) == "aligned"
-    assert moe_ops.resolve_impl("auto", jnp.float32, 4096) == "ragged"
+def test_auto_picks_aligned_on_hopper():
+    from ling_jax.config import LingConfig
+    from ling_jax.kernels import select
+
+    cfg = LingConfig.preset("debug")
+    assert select(cfg, dtype=jnp.bfloat16, platform="gpu").moe_for(4096) == "aligned"  # sm90
+    assert select(cfg, dtype=jnp.float32, platform="gpu").moe_for(4096) == "ragged"
     with pytest.raises(ValueError, match="tile_group_T"):
         moe_ops.grouped_matmul(jnp.ones((TM, 8), jnp.bfloat16), jnp.ones((1, 8, 8)), jnp.array([TM]), impl="aligned")

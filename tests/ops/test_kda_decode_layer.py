@@ -34,7 +34,7 @@ def _case(seed, b, h, d, dtype):
 
 
 def _xla(c, lower_bound, h, d):
-    """The XLA form of layer LAYER (`layers.kda.kda_mixer`'s decode step, t = 1)."""
+    """The XLA form of layer LAYER (`decode.layers.kda`'s step without the layer kernel)."""
     b, p = c["y"].shape[0], h * d
     y = c["y"]
     qkv, window = short_conv(y[:, None, : 3 * p], c["conv_w"][LAYER], c["conv"][LAYER])

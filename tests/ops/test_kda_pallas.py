@@ -115,10 +115,11 @@ def test_forward_unfused_gate_through_api_chunk32():
 
 
 def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
-    """On a GPU, impl="pallas" runs the kernels at `api.GPU_KERNEL_CHUNK` where it divides the
+    """Lowered for a GPU, impl="pallas" runs the kernels at `api.GPU_KERNEL_CHUNK` where it divides the
     chunk asked for: same outputs, and the chunk states of the chunk asked for (every second kernel
     chunk at 64, every fourth at 128; fused gate + L2 norm, T=100 not a chunk multiple, segments);
-    a chunk it does not divide (16) and any chunk off a GPU run as asked."""
+    a chunk it does not divide (16) and the other platforms' forms run as asked. (The GPU form runs
+    here in interpret mode, as `api._run` with the GPU's chunk.)"""
     from ling_jax.ops.kda import api
     from ling_jax.ops.kda import pallas as kda_pallas_module
 
@@ -132,18 +133,21 @@ def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
     monkeypatch.setattr(kda_pallas_module, "kda_pallas", spy)
     q, k, v, f, beta, a_log, dt_bias, h0 = make_inputs(11, 2, 100, 2, 32, 32)
     segs = awkward_segments(2, 100)
-    for gpu, chunk, want in ((True, 64, api.GPU_KERNEL_CHUNK), (True, 128, api.GPU_KERNEL_CHUNK), (True, 16, 16),
-                             (False, 64, 64)):
-        monkeypatch.setattr(api, "on_gpu", lambda gpu=gpu: gpu)
-        run_at.clear()
-        o, ht, cs = kimi_delta_attention(q, k, v, f, beta, initial_state=h0, impl="pallas", chunk_size=chunk,
-                                         segment_ids=segs, return_chunk_states=True, use_qk_l2norm=True,
-                                         a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+    kw = dict(scale=32 ** -0.5, initial_state=h0, segment_ids=segs, return_chunk_states=True, use_qk_l2norm=True,
+              a_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+    for chunk, want in ((64, api.GPU_KERNEL_CHUNK), (128, api.GPU_KERNEL_CHUNK), (16, 16)):
+        assert api.kernel_chunk(chunk, True) == want and api.kernel_chunk(chunk, False) == chunk
         ro, rht, rcs = reference(q, k, v, f, beta, a_log, dt_bias, h0, segment_ids=segs, chunk_size=chunk,
                                  states=True)
-        assert run_at == [want], (gpu, chunk, run_at)
+        run_at.clear()  # every platform's form is traced; this CPU runs its own (the chunk asked for)
+        o, ht, cs = kimi_delta_attention(q, k, v, f, beta, impl="pallas", chunk_size=chunk, **kw)
+        assert set(run_at) == {chunk, want}, (chunk, run_at)
         assert cs.shape == rcs.shape == (2, -(-100 // chunk), 2, 32, 32)
-        assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5, (gpu, chunk)
+        assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5, chunk
+        o, ht, cs = api._run("pallas", want, q, k, v, f, beta, chunk_size=chunk, backend="triton", interpret=True,
+                             **{n: x for n, x in kw.items() if n != "return_chunk_states"}, return_chunk_states=True)
+        assert cs.shape == rcs.shape
+        assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5, ("gpu form", chunk)
 
 
 @pytest.mark.heavy  # ~30 s in interpret mode (default suite kept well under 20 min)
@@ -208,7 +212,7 @@ def test_chunk_sizes_forward_and_gradients(chunk, dk):
 
 
 @pytest.mark.heavy  # 20-70 s on 2 cores (default suite kept well under 20 min)
-def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
+def test_decay_outside_the_kernels_range_is_never_silent():
     """The sub-chunk factorisation is exact while each step's log decay and the decay over each
     sub-chunk's last 15 rows stay >= -75 (always for per-step log decays in [SAFE_LOG_DECAY, 0] =
     [-5, 0]): for a gate not bounded by construction (a precomputed g, the softplus gate, another
@@ -268,11 +272,15 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
         o, _ = kda_pallas(q, k, v, f * 0.1 + shift, beta, scale=32 ** -0.5, use_qk_l2norm=True, a_log=a_log,
                           dt_bias=dt_bias, lower_bound=-8.0)
         assert bool(np.isfinite(np.asarray(o)).all()) is finite, shift
-    monkeypatch.setattr(api, "on_accelerator", lambda: True)  # a GPU, as far as "auto" is concerned
-    assert api.resolve_impl("auto", api.pallas_safe_gate(True, -5.0)) == "pallas"
+    # what "auto" lowers to on a GPU or TPU: the kernels for the bounded safe gate, the data check else
+    opts = dict(scale=32 ** -0.5, initial_state=None, chunk_size=64, segment_ids=None, return_chunk_states=False,
+                use_qk_l2norm=False, a_log=None, dt_bias=None, lower_bound=None)
+    assert api._accelerator_form(q, v, 64, True, -5.0, opts).keywords["impl"] == "pallas"
     assert api.pallas_safe_gate(True, SAFE_LOG_DECAY) and SAFE_LOG_DECAY == -5.0
     for fused, bound in ((True, None), (True, SAFE_LOG_DECAY - 0.01), (True, 0.5), (False, -5.0)):
-        assert api.resolve_impl("auto", api.pallas_safe_gate(fused, bound)) == "chunked", (fused, bound)
+        assert not api.pallas_safe_gate(fused, bound), (fused, bound)
+        assert api._accelerator_form(q, v, 64, fused, bound, opts).__name__ == "checked", (fused, bound)
+    assert api._accelerator_form(q, v, 48, True, -5.0, opts).keywords["impl"] == "chunked"  # not a kernel chunk
     # shapes the kernels do not take (chunk 48, K = 24): "auto" runs the chunked path, no error
     for chunk, dk in ((48, 32), (64, 24)):
         xq, xk, xv, xf, xb, _, _, _ = make_inputs(7, 1, 40, 2, dk, dk)
@@ -280,18 +288,21 @@ def test_decay_outside_the_kernels_range_is_never_silent(monkeypatch):
         o, _ = kimi_delta_attention(l2_normalize(xq), l2_normalize(xk), xv, xg, xb, impl="auto", chunk_size=chunk)
         ro, _ = kda_reference(l2_normalize(xq), l2_normalize(xk), xv, xg, xb, scale=dk ** -0.5)
         assert rel_l2(o, ro) < 2e-5, (chunk, dk)
-    # ... and "auto" with a gate not bounded by construction takes the kernels where the data allows
-    # (here: interpret mode) and the chunked path elsewhere: right either way
-    jaxpr = str(jax.make_jaxpr(lambda g: kimi_delta_attention(qn, kn, v, g, beta, impl="auto"))(-5.0 * u))
+    # ... and the accelerators' "auto" with a gate not bounded by construction takes the kernels where
+    # the data allows (here: interpret mode) and the chunked path elsewhere: right either way
+    def accel_auto(q, k, v, g, beta, initial_state=None):
+        run = api._accelerator_form(q, v, 64, False, None, {**opts, "initial_state": initial_state})
+        return run(q, k, v, g, beta)
+
+    jaxpr = str(jax.make_jaxpr(lambda g: accel_auto(qn, kn, v, g, beta))(-5.0 * u))
     assert "cond[" in jaxpr and "pallas_call" in jaxpr
     for low in (-5.0, -8.0):
         g = low * u
-        o, ht = kimi_delta_attention(qn, kn, v, g, beta, initial_state=h0, impl="auto")
+        o, ht = accel_auto(qn, kn, v, g, beta, initial_state=h0)
         ro, rht = kda_reference(qn, kn, v, g, beta, scale=32 ** -0.5, initial_state=h0)
         assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5, low
         x = (qn, kn, v, g, beta, a_log, dt_bias, h0)
-        ga = _grads(lambda *a, **kw: kimi_delta_attention(*a[:5], initial_state=a[7], impl="auto"), x, None,
-                    False, seed=6)
+        ga = _grads(lambda *a, **kw: accel_auto(*a[:5], initial_state=a[7]), x, None, False, seed=6)
         gr = _grads(lambda *a, **kw: kda_reference(*a[:5], scale=32 ** -0.5, initial_state=a[7]), x, None, False,
                     seed=6)
         for name, a, b in zip(NAMES, ga, gr, strict=True):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import rel_l2
 
+from ling_jax.cache import LATENT_BLOCK
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas, supported
 from ling_jax.ops.mla_decode import latent_attention
 
@@ -31,7 +32,7 @@ def test_equals_xla_loop(dtype, tol, b, h, r, dr, lengths):
     ln = jnp.asarray(lengths, jnp.int32)
     got = latent_attention_pallas(q, cache, ln, new, rank=r, scale=0.1)
     want = latent_attention(q.astype(jnp.float32), cache.astype(jnp.float32), ln, new.astype(jnp.float32),
-                            rank=r, scale=0.1)
+                            rank=r, scale=0.1, block=LATENT_BLOCK)
     assert got.shape == want.shape and rel_l2(got, want) < tol
 
 
@@ -42,7 +43,7 @@ def test_slots_past_the_length_do_not_count():
     poisoned = jnp.where(jnp.arange(1024)[None, :, None] >= ln[:, None, None], jnp.nan, cache)
     got = latent_attention_pallas(q, poisoned, ln, new, rank=32, scale=0.1)
     assert bool(jnp.all(jnp.isfinite(got)))
-    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.1)) < 1e-6
+    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.1, block=LATENT_BLOCK)) < 1e-6
 
 
 def test_layer_of_a_stack():
@@ -54,21 +55,20 @@ def test_layer_of_a_stack():
     ln = jnp.asarray([700, 37], jnp.int32)
     f = jax.jit(lambda i: latent_attention_pallas(q, stack, ln, new, rank=32, scale=0.2, layer=i))
     for i in range(3):
-        want = latent_attention(q, stack[i], ln, new, rank=32, scale=0.2)
+        want = latent_attention(q, stack[i], ln, new, rank=32, scale=0.2, block=LATENT_BLOCK)
         assert rel_l2(f(jnp.int32(i)), want) < 1e-6
 
 
 @pytest.mark.parametrize("programs", [1, 3])
-def test_many_blocks_per_program(monkeypatch, programs):
+def test_many_blocks_per_program(programs):
     """Few splits, so each program's loop runs over many 32-slot blocks (the online-softmax rescaling
     across blocks; at 3 splits the last one is shorter)."""
-    from ling_jax.ops import latent_attention_pallas as lap
+    from ling_jax.ops.pallas_gpu import Launch
 
-    monkeypatch.setattr(lap, "TARGET_PROGRAMS", programs)
     q, cache, new = _case(7, 1, 16, 32, 8, 1024, jnp.float32)
     ln = jnp.asarray([1000], jnp.int32)
-    got = latent_attention_pallas(q, cache, ln, new, rank=32, scale=0.3)
-    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.3)) < 1e-6
+    got = latent_attention_pallas(q, cache, ln, new, rank=32, scale=0.3, launch=Launch(latent_programs=programs))
+    assert rel_l2(got, latent_attention(q, cache, ln, new, rank=32, scale=0.3, block=LATENT_BLOCK)) < 1e-6
 
 
 def test_unsupported_shapes_raise():

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from ling_jax.config import LingConfig
-from ling_jax.layers.moe import ROUTE_KERNEL_MAX_TOKENS, route, route_kernel
+from ling_jax.kernels import select
+from ling_jax.layers.moe import route
 from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.layer_gemv import WeightStack
-from ling_jax.ops.pallas_gpu import on_gpu
 from ling_jax.ops.route_pallas import select_experts
 
 CASES = [  # (tokens, experts, groups, groups kept, k): Ling-3.0-tiny's, flash's, and awkward ones
@@ -34,6 +34,11 @@ def _configs(e, g, tg, k):
     return dataclasses.replace(cfg, decode_impl="xla"), dataclasses.replace(cfg, decode_impl="pallas")
 
 
+def _route(cfg, n):
+    """Whether `route` runs the selection kernel on n tokens (CPU: interpret mode)."""
+    return select(cfg, dtype=jnp.float32).route_for(n)
+
+
 def _inputs(rng, n, e, ties):
     x = rng.standard_normal((n, 32))
     w = rng.standard_normal((32, e)) * 0.3
@@ -49,7 +54,7 @@ def _inputs(rng, n, e, ties):
 def test_kernel_selects_what_the_xla_form_selects(n, e, g, tg, k, ties):
     xla, pallas = _configs(e, g, tg, k)
     x, w, bias = _inputs(np.random.default_rng(n * e + ties), n, e, ties)
-    assert route_kernel(pallas, n) and not route_kernel(xla, n)
+    assert _route(pallas, n) and not _route(xla, n)
     idx_x, w_x, logits_x = route(x, w, bias, xla)
     idx_p, w_p, logits_p = route(x, w, bias, pallas)
     np.testing.assert_array_equal(logits_p, logits_x)
@@ -131,9 +136,10 @@ def test_kernel_gradient_equals_the_xla_forms():
 def test_route_kernel_scope_and_bad_grouping():
     xla, pallas = _configs(128, 8, 4, 8)
     auto = dataclasses.replace(pallas, decode_impl="auto")
-    assert route_kernel(auto, 1) == on_gpu()  # "auto": the kernel on a GPU only
-    assert not route_kernel(pallas, ROUTE_KERNEL_MAX_TOKENS + 1)  # long prompts, training batches
-    assert not route_kernel(pallas, 0)  # no tokens: the XLA form's empty result
+    assert not _route(auto, 1) and select(auto, dtype=jnp.float32, platform="gpu").route_for(1)  # a GPU only
+    max_tokens = select(pallas, dtype=jnp.float32).tuning.route_max_tokens
+    assert _route(pallas, max_tokens) and not _route(pallas, max_tokens + 1)  # long prompts, training batches
+    assert not _route(pallas, 0)  # no tokens: the XLA form's empty result
     x, w, bias = _inputs(np.random.default_rng(0), 0, 128, False)
     idx, wts, _ = route(x, w, bias, pallas)
     assert idx.shape == (0, 8) and wts.shape == (0, 8)

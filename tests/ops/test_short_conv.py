@@ -16,6 +16,7 @@ import pytest
 from conftest import rel_l2
 
 from ling_jax.config import LingConfig
+from ling_jax.kernels import select
 from ling_jax.layers.kda import kda_mixer
 from ling_jax.ops.short_conv import BLOCK_P, BLOCK_T, INNER, conv_silu, conv_silu_parts
 from ling_jax.params import init_params, layer_params
@@ -116,7 +117,7 @@ def test_kda_layer_on_the_kernels_matches_xla():
         c = dataclasses.replace(cfg, kda_impl=impl)
 
         def f(p, x):
-            out, _ = kda_mixer(p, x, cfg=c, segment_ids=seg)
+            out, _ = kda_mixer(p, x, cfg=c, kernels=select(c, dtype=x.dtype), segment_ids=seg)
             return jnp.sum(out * jnp.cos(out)), out
 
         return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(p, x)
