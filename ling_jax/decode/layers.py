@@ -133,10 +133,11 @@ def mlp(x: Rows, w_gate: Any, w_up: Any, w_down: Any, limit: jax.Array | float, 
 
 
 def route(x_ND: Rows, w_router: jax.Array | WeightStack, bias: jax.Array | WeightStack, cfg: LingConfig,
-          kernels: Kernels, prefetch: tuple[Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array]:
-    """`layers.moe.route`'s (indices [N, k], weights [N, k]). With the router as a `WeightStack` (the
-    batch-1 step) its matmul is the gemv kernel's, in float32, and the selection kernel adds its
-    partial sums, reads the bias in place and its launch reads the `prefetch` slabs into L2."""
+          kernels: Kernels, prefetch: tuple[Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`layers.moe.route`'s (indices [N, k], weights [N, k], logits [N, E]). With the router as a
+    `WeightStack` (the batch-1 step) its matmul is the gemv kernel's, in float32, and the selection
+    kernel adds its partial sums, reads the bias in place and its launch reads the `prefetch` slabs
+    into L2."""
     n = x_ND.shape[0]
     if isinstance(w_router, WeightStack):
         logits_SNE = partial_products(x_ND, w_router, kernels.tuning.launch)
@@ -146,9 +147,11 @@ def route(x_ND: Rows, w_router: jax.Array | WeightStack, bias: jax.Array | Weigh
     if kernels.route_for(n):
         if prefetch and logits_SNE.ndim == 2:  # the selection's decode-step form
             logits_SNE = logits_SNE[None]
-        return select_experts(logits_SNE, bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                              k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch)
-    return select(logits_NE, bias.value() if isinstance(bias, WeightStack) else bias, cfg)
+        idx_NK, w_NK = select_experts(logits_SNE, bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch)
+    else:
+        idx_NK, w_NK = select(logits_NE, bias.value() if isinstance(bias, WeightStack) else bias, cfg)
+    return idx_NK, w_NK, logits_NE
 
 
 def moe(p: dict[str, Any], x: Rows, *, cfg: LingConfig, kernels: Kernels, limit: jax.Array | float,
@@ -163,7 +166,7 @@ def moe(p: dict[str, Any], x: Rows, *, cfg: LingConfig, kernels: Kernels, limit:
         if kernels.tuning.prefetch_shared:
             prefetch = tuple(Prefetch(w.stack, (w.layer, 0)) for w in (shared.gate_up, shared.down))
     with jax.named_scope("router"):
-        idx_NK, w_NK = route(x_ND, p["router"], p["expert_bias"], cfg, kernels, prefetch)
+        idx_NK, w_NK, _ = route(x_ND, p["router"], p["expert_bias"], cfg, kernels, prefetch)
     with jax.named_scope("routed"):
         if not kernels.sharded:
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"], limit=limit,

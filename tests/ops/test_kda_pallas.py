@@ -139,8 +139,9 @@ def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
         assert api.kernel_chunk(chunk, True) == want and api.kernel_chunk(chunk, False) == chunk
         ro, rht, rcs = reference(q, k, v, f, beta, a_log, dt_bias, h0, segment_ids=segs, chunk_size=chunk,
                                  states=True)
-        run_at.clear()  # every platform's form is traced; this CPU runs its own (the chunk asked for)
-        o, ht, cs = kimi_delta_attention(q, k, v, f, beta, impl="pallas", chunk_size=chunk, **kw)
+        run_at.clear()  # under jit every platform's form is traced; this CPU runs its own (the chunk asked for)
+        o, ht, cs = jax.jit(lambda *a, c=chunk: kimi_delta_attention(*a, impl="pallas", chunk_size=c, **kw))(
+            q, k, v, f, beta)
         assert set(run_at) == {chunk, want}, (chunk, run_at)
         assert cs.shape == rcs.shape == (2, -(-100 // chunk), 2, 32, 32)
         assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5, chunk

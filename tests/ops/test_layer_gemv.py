@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling_jax.ops.layer_gemv import WeightStack, linear, stackable
+from ling_jax.decode.views import stackable
+from ling_jax.ops.layer_gemv import WeightStack, linear
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ling_jax.config import LingConfig
+from ling_jax.decode.layers import route as decode_route
 from ling_jax.kernels import select
 from ling_jax.layers.moe import route
 from ling_jax.ops.l2_prefetch import Prefetch
@@ -75,7 +76,8 @@ def test_decode_form_reads_router_and_bias_from_their_stacks(n, e, g, tg, k, lay
     x = jnp.asarray(rng.standard_normal((n, 32)), jnp.float32)
     w_LDE = jnp.asarray(rng.standard_normal((3, 32, e)) * 0.3, jnp.float32)
     bias_LE = jnp.asarray(rng.standard_normal((3, e)) * 0.1, jnp.float32)
-    run = jax.jit(lambda x, w, b: route(x, WeightStack(w, layer), WeightStack(b, layer), pallas))
+    run = jax.jit(lambda x, w, b: decode_route(x, WeightStack(w, layer), WeightStack(b, layer), pallas,
+                                              select(pallas, dtype=jnp.float32, decode=True)))
     idx_p, w_p, logits_p = run(x, w_LDE, bias_LE)
     logits64 = np.asarray(x, np.float64) @ np.asarray(w_LDE[int(layer)], np.float64)
     np.testing.assert_allclose(logits_p, logits64, rtol=1e-5, atol=1e-6)  # float32 products, float32 sums
@@ -83,7 +85,8 @@ def test_decode_form_reads_router_and_bias_from_their_stacks(n, e, g, tg, k, lay
     idx_x, w_x = select_experts(logits_p, bias_LE[int(layer)], n_group=g, topk_group=tg, k=k, scale=2.5)
     np.testing.assert_array_equal(idx_p, idx_x)
     np.testing.assert_allclose(w_p, w_x, rtol=1e-6, atol=1e-7)
-    idx_s, w_s, _ = route(x, w_LDE[int(layer)], WeightStack(bias_LE, layer), xla)  # the XLA form slices it
+    idx_s, w_s, _ = decode_route(x, w_LDE[int(layer)], WeightStack(bias_LE, layer), xla,
+                                 select(xla, dtype=jnp.float32, decode=True))  # the XLA form slices it
     idx_r, w_r, _ = route(x, w_LDE[int(layer)], bias_LE[int(layer)], xla)
     np.testing.assert_array_equal(idx_s, idx_r)
     np.testing.assert_array_equal(w_s, w_r)

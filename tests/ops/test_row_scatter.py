@@ -62,10 +62,10 @@ def test_dispatch_rows_only_keeps_copies_and_zero_rows_under_differentiation():
 
 
 def test_routed_experts_aligned_forward_ignores_unwritten_rows():
-    """The aligned MoE under `inference()` (rows_only dispatch: every row without a copy NaN in
-    interpret mode) equals, bit for bit, the same kernels on the zero-padded rows (`in_shard_map` keeps XLA's
-    gather), and the dense path within bf16 rounding: no unwritten row reaches the output. Decode
-    tiles; expert 2 unused."""
+    """The aligned MoE with `rows_only` (the dispatch writes only the copies' rows: every other row is
+    NaN in interpret mode) equals, bit for bit, the same kernels on the zero-padded rows, and the
+    dense path within bf16 rounding: no unwritten row reaches the output. Decode tiles; expert 2
+    unused."""
     rng = np.random.default_rng(4)
     n, d, e, i = 6, 64, 4, 64
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
@@ -73,25 +73,24 @@ def test_routed_experts_aligned_forward_ignores_unwritten_rows():
     idx = jnp.asarray(np.tile([1, 3], (n, 1)), jnp.int32).at[:2, 0].set(0)
     w = jnp.asarray(rng.random((n, 2)), jnp.float32)
     assert aligned_gmm.tiles_for(n * 2) == aligned_gmm.DECODE_TILES
-    def run(impl: str, in_shard_map: bool = False) -> jax.Array:
-        return moe_ops.routed_partial(x, idx, w, 0, *ws, impl=impl, limit=0.5, all_local=True,
-                                      in_shard_map=in_shard_map)
 
-    with moe_ops.inference():
-        got = run("aligned")
+    def run(impl: str, rows_only: bool = False) -> jax.Array:
+        return moe_ops.routed_partial(x, idx, w, 0, *ws, impl=impl, limit=0.5, all_local=True, rows_only=rows_only)
+
+    got = run("aligned", rows_only=True)
     assert np.isfinite(np.asarray(got)).all()
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(run("aligned", in_shard_map=True)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run("aligned")))
     ref = run("dense")
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) <= 3e-2
 
 
-def test_rows_only_only_inside_inference(monkeypatch):
-    """Outside `moe.inference()` the aligned MoE dispatches zero-padded rows even when nothing
-    differentiates it: a gradient of the expert weights alone (frozen input) must not meet unwritten
-    rows. The scatter kernel is made to fail so that a call to it shows."""
+def test_rows_only_only_when_asked(monkeypatch):
+    """Without `rows_only` the aligned MoE dispatches zero-padded rows even when nothing differentiates
+    it: a gradient of the expert weights alone (frozen input) must not meet unwritten rows. The
+    scatter kernel is made to fail so that a call to it shows."""
 
     def fail(*_args, **_kw):
-        raise AssertionError("scatter_rows called outside inference()")
+        raise AssertionError("scatter_rows called without rows_only")
 
     monkeypatch.setattr(row_scatter, "scatter_rows", fail)
     rng = np.random.default_rng(5)
@@ -101,9 +100,10 @@ def test_rows_only_only_inside_inference(monkeypatch):
     idx = jnp.asarray(np.tile([0, 2], (n, 1)), jnp.int32)
     w = jnp.asarray(rng.random((n, 2)), jnp.float32)
 
-    def loss(*ws):
-        return jnp.sum(moe_ops.routed_experts(x, idx, w, *ws, impl="aligned", limit=0.5).astype(jnp.float32) ** 2)
+    def loss(*ws, rows_only=False):
+        return jnp.sum(moe_ops.routed_experts(x, idx, w, *ws, impl="aligned", limit=0.5, rows_only=rows_only)
+                       .astype(jnp.float32) ** 2)
 
     assert np.isfinite(float(loss(*ws)))  # the forward a weights-only gradient would take
-    with moe_ops.inference(), pytest.raises(AssertionError, match="outside inference"):
-        loss(*ws)
+    with pytest.raises(AssertionError, match="without rows_only"):
+        loss(*ws, rows_only=True)
