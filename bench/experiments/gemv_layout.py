@@ -1,11 +1,11 @@
 """One-row projections by weight layout: how fast can a batch-1 decode projection read its weight?
 
-    python3 bench/gemv_layout.py --out bench/results/gemv_layout_h200.json   # the GPU run
-    python3 bench/gemv_layout.py --smoke --out /tmp/gl.json                  # CPU (interpret), seconds
+    python3 bench/experiments/gemv_layout.py --out $OUT/gemv_layout_h200.json   # the GPU run
+    python3 bench/experiments/gemv_layout.py --smoke --out /tmp/gl.json      # CPU (interpret), seconds
 
 The decode step's projections (x [1, C] @ w [C, O]) cost only the weight's read, yet in the batch-1
 profiles the gemv kernel reads at 2.2-2.6 TB/s where XLA's lm_head product reads 483 MB at 4.4
-TB/s (BENCHMARKS.md, "Decode"). This times, per projection shape, one jitted call of `--calls`
+TB/s (docs/decode-performance.md). This times, per projection shape, one jitted call of `--calls`
 independent instances (distinct weights, more bytes in all than L2 holds; us per instance = the
 call's median / calls; with `--trace DIR` also the kernels' device time per instance, from a
 `jax.profiler` trace: wall clock on calls this short counts dispatch and clock ramp-up too):
@@ -20,12 +20,12 @@ call's median / calls; with `--trace DIR` also the kernels' device time per inst
   mgpu/...  JAX's Hopper matmul (Mosaic GPU; `mgpu_gemv`) on x padded to 64 rows: a persistent
             program per SM streaming the weight by TMA through a ring of shared-memory buffers
             (what a persistent decode kernel's weight stream would be); name: tile_n, tile_k, ring
-  mgpu_rows/...  `bench.pdl_chain.rows_gemv` on w [O, C]: 64 rows and a split of C per program, its
+  mgpu_rows/...  `bench.experiments.pdl_chain.rows_gemv` on w [O, C]: 64 rows and a split of C per program, its
             [64, tk] tiles by TMA through a ring, x as the 8-column operand of wgmma; name: tk,
             ring depth, split (its partial sums and x's padding are XLA's, inside the timed call)
 
 and the copy bandwidth the decode benchmark's floor uses (`bench.common.copy_bandwidth`, XLA's copy
-of 2 GiB timed on the device) against a bf16 `a * 2` pass (what that floor used until 2026-12-03),
+of 2 GiB timed on the device) against a bf16 `a * 2` pass timed by the wall clock (which undercounts the bandwidth),
 the same pass donated, the copy and a read-only sum, each by wall clock and device time.
 """
 
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import pdl_chain
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile
+from bench.experiments import pdl_chain
 from ling_jax.ops import expert_gemv
 from ling_jax.ops.pallas_gpu import call_options, whole
 
@@ -61,7 +61,7 @@ SHAPES = {"kda_in_proj": (1536, 10240), "kda_o_proj": (2048, 1536), "dense_gate_
 # (tile_n, tile_k, pipeline steps in flight) of JAX's Hopper matmul (Mosaic GPU) with the row padded to 64
 # (each ring fits the 227 KB of shared memory: steps x (64 x tile_k + tile_k x 2 tile_n) x 2 bytes)
 MGPU_TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (32, 128, 6), (128, 64, 4), (32, 64, 8), (64, 32, 8)]
-# (tk, ring depth, split of C) of `bench.pdl_chain.rows_gemv` (Mosaic GPU: w [O, C] by TMA, x as wgmma's N = 8)
+# (tk, ring depth, split of C) of `pdl_chain.rows_gemv` (Mosaic GPU: w [O, C] by TMA, x as wgmma's N = 8)
 MGPU_ROW_TILES = [(128, 4, 1), (128, 4, 2), (256, 4, 2), (128, 4, 4), (256, 3, 1), (128, 6, 2)]
 
 
@@ -108,7 +108,7 @@ def mgpu_gemv(x_C: jax.Array, w_CO: jax.Array, *, tile_n: int, tile_k: int, step
 
 
 def mgpu_rows(x_C: jax.Array, w_OC: jax.Array, **kw: Any) -> jax.Array:
-    """x [C] @ w_t [O, C].T -> [O] float32 by `bench.pdl_chain.rows_gemv` (x placed as row 0 of 8)."""
+    """x [C] @ w_t [O, C].T -> [O] float32 by `bench.experiments.pdl_chain.rows_gemv` (x placed as row 0 of 8)."""
     x_8C = jnp.zeros((pdl_chain.X_COLS, x_C.shape[0]), w_OC.dtype).at[0].set(x_C.astype(w_OC.dtype))
     return pdl_chain.rows_gemv(x_8C, w_OC, pdl="off", **kw)[:, :, 0].sum(0)
 

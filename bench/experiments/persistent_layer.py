@@ -1,12 +1,12 @@
 """A persistent batch-1 decode chain: one kernel, grid-wide barriers, the next weights loaded first.
 
-    python3 bench/persistent_layer.py --out bench/results/persistent_layer_h200.json   # the GPU run
-    python3 bench/persistent_layer.py --check-protocols --out /tmp/b.json             # the barrier alone
-    python3 bench/persistent_layer.py --smoke --out /tmp/pl.json                      # CPU (interpret)
+    python3 bench/experiments/persistent_layer.py --out $OUT/persistent_layer_h200.json   # the GPU run
+    python3 bench/experiments/persistent_layer.py --check-protocols --out /tmp/b.json   # the barrier alone
+    python3 bench/experiments/persistent_layer.py --smoke --out /tmp/pl.json            # CPU (interpret)
 
 Why: the batch-1 decode step is ~430 kernel launches, and each one spends microseconds filling
-and draining the GPU around its weight read, so the step runs at ~3x its HBM floor (BENCHMARKS.md,
-"Decode"). A persistent kernel keeps every program resident across a layer's stages, waits at a
+and draining the GPU around its weight read, so the step runs at ~3x its HBM floor (docs/decode-performance.md).
+A persistent kernel keeps every program resident across a layer's stages, waits at a
 grid-wide barrier between them, and loads its first tile of the next stage's weights *before*
 waiting, so the weight stream need not stop while a stage's last programs finish. This measures
 what that buys on a chain of `--layers` dense layers with Ling-3.0-tiny's projection shapes (the
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row
@@ -150,7 +150,7 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
 # spin, +0 on this program's own flag) or "all" (+0 on every flag at once: a vector atomic, which
 # the H200 check found broken); READ "plain" loads (every stage output has its own buffer per layer,
 # so no line of it is read before its barrier: nothing stale in L1), "volatile" or "atomic" (+0).
-# The defaults are what the check found exact (BENCHMARKS.md, "Decode", seventeenth session).
+# The defaults are what the check found exact on an H200 (docs/decode-performance.md).
 WRITE = "store"
 ACQUIRE = "own"
 READ = "plain"

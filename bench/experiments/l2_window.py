@@ -1,13 +1,13 @@
 """Can a decode weight be read into L2 while the step's HBM is idle, so that its product is faster?
 
-    python3 bench/l2_window.py --out bench/results/l2_window_h200.json     # the GPU run
-    XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT python3 bench/l2_window.py --out ...
-    python3 bench/l2_window.py --forms serial inkernel --window-iters 250 --fractions 0.25 0.5 1 \
-        --between-mb 0 42 --out bench/results/l2_window_inkernel_h200.json
-    python3 bench/l2_window.py --smoke --out /tmp/l2w.json                 # CPU (interpreter)
+    python3 bench/experiments/l2_window.py --out $OUT/l2_window_h200.json     # the GPU run
+    XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT python3 bench/experiments/l2_window.py --out ...
+    python3 bench/experiments/l2_window.py --forms serial inkernel --window-iters 250 --fractions 0.25 0.5 1 \
+        --between-mb 0 42 --out $OUT/l2_window_inkernel_h200.json
+    python3 bench/experiments/l2_window.py --smoke --out /tmp/l2w.json                 # CPU (interpreter)
 
 Why: a batch-1 decode step spends ~40% of its device time in kernels that move few bytes (the KDA
-recurrence, the router's selection, norms, partial sums: 1-5 us each, BENCHMARKS.md "Decode"),
+recurrence, the router's selection, norms, partial sums: 1-5 us each, docs/decode-performance.md),
 while its weight products stream at ~2.2-2.6 TB/s. If the next product's weight could be read into
 the L2 cache during those kernels, the product would read it from L2 and the step would approach
 the byte floor. Nothing inside one XLA stream overlaps two kernels, so the read must be a kernel of
@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields

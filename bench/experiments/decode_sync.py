@@ -1,7 +1,7 @@
 """What the decode loop's per-step host round trips cost at batch 1.
 
-    python3 bench/decode_sync.py --out bench/results/decode_sync_h200.json   # the GPU run
-    python3 bench/decode_sync.py --smoke --out /tmp/decode_sync.json         # CPU, debug preset
+    python3 bench/experiments/decode_sync.py --out $OUT/decode_sync_h200.json   # the GPU run
+    python3 bench/experiments/decode_sync.py --smoke --out /tmp/decode_sync.json         # CPU, debug preset
 
 XLA runs a `lax.while_loop` on the GPU by copying its predicate to the host after every iteration
 and launching the next, and a `lax.cond` (greedy or sampled, `generate.sample`) the same way. The
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import machine, random_params, write_json
 from bench.decode import random_cache

@@ -1,12 +1,12 @@
 """Programmatic dependent launch (PDL) for batch-1 decode: do weight reads start before their input is ready?
 
-    python3 bench/pdl_chain.py --out bench/results/pdl_chain_h200.json   # the GPU run
-    python3 bench/pdl_chain.py --smoke --out /tmp/pdl.json               # CPU (Mosaic-GPU interpreter)
+    python3 bench/experiments/pdl_chain.py --out $OUT/pdl_chain_h200.json   # the GPU run
+    python3 bench/experiments/pdl_chain.py --smoke --out /tmp/pdl.json     # CPU (Mosaic-GPU interpreter)
 
 Why: a batch-1 decode step is ~400 kernels, one after another, and a single launch reads a decode
 weight at no more than ~3.3 TB/s because it spends microseconds filling and draining the GPU; a
-persistent kernel with grid-wide barriers did not help in Pallas-Triton (`bench/persistent_layer.py`,
-BENCHMARKS.md "Decode"). PDL is the hardware's own answer: a kernel launched with programmatic
+persistent kernel with grid-wide barriers did not help in Pallas-Triton (`bench/experiments/persistent_layer.py`,
+docs/decode-performance.md). PDL is the hardware's own answer: a kernel launched with programmatic
 stream serialization may start while the kernel before it is still running, and blocks at
 `griddepcontrol.wait` only where it first reads that kernel's output. JAX's Mosaic GPU kernels
 expose it (`plgpu.griddepcontrol_wait`, `plgpu.griddepcontrol_launch_dependents`; a kernel that
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields

@@ -1,12 +1,12 @@
 """A persistent Mosaic-GPU weight stream over a decode chain: one launch, semaphore barriers, TMA ahead.
 
-    python3 bench/mgpu_persistent.py --out bench/results/mgpu_persistent_h200.json   # the GPU run
-    python3 bench/mgpu_persistent.py --smoke --out /tmp/mp.json                      # CPU (interpreter)
+    python3 bench/experiments/mgpu_persistent.py --out $OUT/mgpu_persistent_h200.json   # the GPU run
+    python3 bench/experiments/mgpu_persistent.py --smoke --out /tmp/mp.json            # CPU (interpreter)
 
 Why: at batch 1 a decode step is a chain of matrix-vector products, each waiting for the one
 before, and launching one kernel per product leaves the weight stream idle while each kernel fills
-and drains the GPU (BENCHMARKS.md, "Decode": even a pure MLP chain of the step's own gemv runs at
-2x its HBM floor). A persistent Pallas-Triton kernel did not help (`bench/persistent_layer.py`):
+and drains the GPU (docs/decode-performance.md: even a pure MLP chain of the step's own gemv runs at
+2x its HBM floor). A persistent Pallas-Triton kernel did not help (`bench/experiments/persistent_layer.py`):
 its programs cannot keep enough loads in flight across a barrier. Here every program is one
 warpgroup on its own SM that streams its weight tiles by TMA through a ring of `depth`
 shared-memory slots *across stage boundaries*: the weights do not depend on the activations, so
@@ -15,7 +15,7 @@ global-memory semaphore, `plgpu.semaphore_signal` / `semaphore_wait` at GPU scop
 the stage's input.
 
 The chain: `--layers` x the four weight reads of a Ling-3.0-tiny decode layer (the projections of
-`bench/persistent_layer.py`, same weights: w_in [A, D], w_o [D, H], w_gu [2F, D], w_d [D, F]),
+`bench/experiments/persistent_layer.py`, same weights: w_in [A, D], w_o [D, H], w_gu [2F, D], w_d [D, F]),
 each stage taking the first C values of the stage before as its input; the elementwise work
 between them (norms, gates, residuals) is left out, so this measures the weight stream and its
 synchronisation alone. How a stage is split (`Stage`):
@@ -68,11 +68,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import copy_bandwidth, machine, median_time, rel_l2, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields
-from bench.persistent_layer import STAGES, Dims, random_chain
+from bench.experiments.persistent_layer import STAGES, Dims, random_chain
 from ling_jax.ops import expert_gemv
 
 ROWS = 64  # wgmma's M: weight rows per item

@@ -1,7 +1,7 @@
 """What the decode gemv's RMSNorm prologue (`expert_gemv.NormedRows`) costs against plain rows.
 
-    python3 bench/normed_gemv.py --out bench/results/normed_gemv_h200.json   # the GPU run
-    python3 bench/normed_gemv.py --smoke --out /tmp/normed_gemv.json         # CPU (interpreter)
+    python3 bench/experiments/normed_gemv.py --out $OUT/normed_gemv_h200.json   # the GPU run
+    python3 bench/experiments/normed_gemv.py --smoke --out /tmp/normed_gemv.json         # CPU (interpreter)
 
 A batch-1 decode step leaves each layer's RMSNorms to the gemv kernels that read the normed row
 (`layer_gemv.normed`): every program scales its tile of the row by the row's 1 / RMS. A chain of
@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row
