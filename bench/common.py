@@ -85,8 +85,8 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     timed on the device (its kernels' time in a `jax.profiler` trace of 3 calls), or by the wall
     clock where the trace has no device plane (CPU).
 
-    Until 2026-12-03 this timed a bf16 `a * 2` pass by the wall clock: 2.3-2.9 TB/s on an H200, where
-    the device-timed copy moves 4.26 TB/s and a read-only sum 4.65 TB/s (`bench/gemv_layout.py`,
+    Not the wall clock of a bf16 `a * 2` pass: that gives 2.3-2.9 TB/s on an H200, where the
+    device-timed copy moves 4.26 TB/s and a read-only sum 4.65 TB/s (`bench/experiments/gemv_layout.py`,
     BENCHMARKS.md): the wall clock of one short call counts its dispatch and the clocks' ramp-up."""
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)

@@ -13,8 +13,8 @@ Each timed call continues from the cache the previous one returned, so a call st
 tokens further than the last (the recorded context is where the first call starts).
 
 HBM floor of one step = bytes that must move / measured copy bandwidth (bytes read + written by a
-device-timed copy of 2 GiB, same run, `bench.common.copy_bandwidth`; until 2026-12-03 a wall-clock
-bf16 `a * 2` pass, which undercounted the bandwidth by ~1.5x): every attention/dense/shared/router
+device-timed copy of 2 GiB, same run, `bench.common.copy_bandwidth`; a wall-clock bf16 `a * 2` pass
+undercounts the bandwidth by ~1.5x): every attention/dense/shared/router
 weight, the routed experts the batch touches (expected distinct experts per layer
 E·(1 - (1 - k/E)^B) under uniform routing),
 the lm_head, the MLA latent cache read up to the context, the KDA state read + written. Goal at

@@ -1,6 +1,6 @@
 """KDA kernel benchmark on one GPU: our Pallas path vs FLA's `chunk_kda` vs our chunked XLA path.
 
-Run on the GPU machine (FLA wheel carried in .whl/, see bench/notes/kda.md):
+Run on the GPU machine (FLA wheel carried in .whl/, BENCHMARKS.md "KDA kernels against FLA"):
 
     python3 bench/kda.py --out $OUT [--heads 16 64] [--seq 8192] [--variants]
 

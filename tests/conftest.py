@@ -26,7 +26,7 @@ if os.environ.get("LING_JAX_TEST_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["LING_JAX_TEST_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The CLI tests' subprocesses (each killed-and-resumed ling-train run would recompile its step) share
-# a cache either way: that one, or a directory of this session's.
+# a cache either way: that one, or a temporary directory removed when the test run exits.
 SUBPROCESS_CACHE = os.environ.get("LING_JAX_TEST_CACHE") or tempfile.mkdtemp(prefix="ling-jax-test-cache-")
 if not os.environ.get("LING_JAX_TEST_CACHE"):
     atexit.register(shutil.rmtree, SUBPROCESS_CACHE, ignore_errors=True)
