@@ -7,7 +7,7 @@
 4. loads the Orbax checkpoint with `load_checkpoint` and generates for a batch of prompts
    (jitted prefill + decode loop over the latent/state caches);
 5. runs a few `ling-train` steps from that checkpoint on a small synthetic corpus;
-printing what each step did.
+printing what each step did. Exits 2 on a usage error, 1 when a step fails (`ling_jax.cli`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from ling_jax.cli import EXIT_FAILURE, EXIT_USAGE, device_failed, exit_code, fail
+
+PROG = "ling-demo"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ling-demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/demo",
                     help="working directory (default: runs/demo); the demo's own outputs in it are replaced, "
                          "anything else is left alone")
@@ -32,24 +37,37 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--train-steps {args.train_steps}: must be at least 1")
 
     import jax
+
+    import ling_jax
+    from ling_jax.config import ConfigError
+
+    try:
+        cfg = ling_jax.LingConfig.preset(args.preset)
+    except ConfigError as e:
+        return fail(PROG, f"--preset: {e}", EXIT_USAGE)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return fail(PROG, f"--out {out}: not a directory", EXIT_USAGE)
+    try:
+        return _run(args, cfg, out)
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
+        return fail(PROG, str(e), exit_code(e))
+    except jax.errors.JaxRuntimeError as e:
+        return device_failed(PROG, e)
+
+
+def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
+    """The five steps of the module doc into `out`; the exit status."""
+    import jax
     import numpy as np
 
     import ling_jax
     from ling_jax.checkpoint.convert import convert_hf_to_orbax
     from ling_jax.checkpoint.export import save_hf_checkpoint
     from ling_jax.checkpoint.synthetic import LING_FP8_EXCLUSIONS
-    from ling_jax.config import ConfigError, QuantConfig
+    from ling_jax.config import QuantConfig
     from ling_jax.params import init_params
 
-    try:
-        cfg = ling_jax.LingConfig.preset(args.preset)
-    except ConfigError as e:
-        print(f"ling-demo: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"ling-demo: --out {out}: not a directory", file=sys.stderr)
-        return 2
     hf_dir, orbax_dir = out / "hf-fp8", out / "orbax"
     for own in (hf_dir, orbax_dir, out / "train"):  # a previous demo's outputs; nothing else in --out
         shutil.rmtree(own, ignore_errors=True)
@@ -69,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
           f"+ forward {tuple(ids.shape)} -> {tuple(logits.shape)} {logits.dtype} on {jax.devices()[0].platform} "
           f"in {time.perf_counter() - t0:.1f} s (compilation included)")
     if not np.isfinite(np.asarray(logits)).all():
-        print("ling-demo: non-finite logits", file=sys.stderr)
-        return 1
+        return fail(PROG, "non-finite logits", EXIT_FAILURE)
 
     t0 = time.perf_counter()
     convert_hf_to_orbax(hf_dir, orbax_dir, dtype="bfloat16")

@@ -4,7 +4,8 @@ Prompts are text (encoded with a Hugging Face `tokenizer.json` through the `toke
 or comma-separated token ids. The model comes from an HF checkpoint directory (BF16 or
 block-FP8 safetensors) or an Orbax checkpoint written by `ling-convert` / `ling-train`.
 Prints every output and the tokens/s of the whole call (prefill + decode; including compilation
-unless `--timed-rerun`).
+unless `--timed-rerun`). Exits 2 on a usage error (a bad flag value, a missing path), 1 when loading
+or generating fails (`ling_jax.cli`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ling_jax.cli import EXIT_USAGE, UsageError, device_failed, existing_dir, exit_code, fail
+
+PROG = "ling-generate"
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ling-generate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or Orbax checkpoint")
     ap.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable; needs --tokenizer)")
     ap.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids")
@@ -42,9 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _fail(msg: str) -> int:
-    print(f"ling-generate: {msg}", file=sys.stderr)
-    return 2
+def _usage(msg: str) -> int:
+    return fail(PROG, msg, EXIT_USAGE)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -63,63 +67,59 @@ def load_any(path: Path, dtype: str, fp8_weights: bool = False, mesh: Any = None
 
     import ling_jax
     from ling_jax.checkpoint.fp8 import is_block_fp8
-    from ling_jax.checkpoint.safetensors_io import CheckpointError
 
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         if fp8_weights:
-            raise CheckpointError(f"--fp8-weights needs an Orbax checkpoint with FP8 weights; convert {path} first "
-                                  "(ling-convert --dtype float8)")
+            raise UsageError(f"--fp8-weights needs an Orbax checkpoint with FP8 weights; convert {path} first "
+                             "(ling-convert --dtype float8)")
         return ling_jax.load_hf_checkpoint(path, dtype=dtype, mesh=mesh)
     cfg, params = ling_jax.load_checkpoint(path, dtype=dtype, keep_fp8=fp8_weights, mesh=mesh)
     if fp8_weights and not any(map(is_block_fp8, jax.tree.leaves(params, is_leaf=is_block_fp8))):
-        raise CheckpointError(f"--fp8-weights: {path} has no FP8 weights (convert with ling-convert --dtype float8)")
+        raise UsageError(f"--fp8-weights: {path} has no FP8 weights (convert with ling-convert --dtype float8)")
     return cfg, params
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    path = Path(args.checkpoint)
-    if not path.is_dir():
-        return _fail(f"--checkpoint {path}: " + ("not a directory" if path.exists() else "no such directory"))
+    try:
+        path = existing_dir("--checkpoint", args.checkpoint)
+    except UsageError as e:
+        return _usage(str(e))
     if not args.prompt and not args.prompt_ids:
-        return _fail("give at least one --prompt or --prompt-ids")
+        return _usage("give at least one --prompt or --prompt-ids")
     tok = None
     if args.tokenizer or args.prompt:
         if not args.tokenizer:
-            return _fail("text prompts need --tokenizer tokenizer.json")
+            return _usage("text prompts need --tokenizer tokenizer.json")
         try:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(args.tokenizer)
         except Exception as e:  # the tokenizers library raises plain Exceptions
-            return _fail(f"--tokenizer {args.tokenizer}: {e}")
+            return _usage(f"--tokenizer {args.tokenizer}: {e}")
     try:
         prompts = [tok.encode(t).ids for t in args.prompt] + [parse_ids(s) for s in args.prompt_ids]
     except ValueError as e:
-        return _fail(f"--prompt-ids: {e}")
+        return _usage(f"--prompt-ids: {e}")
     try:
         stop = None if args.stop_tokens is None else parse_ids(args.stop_tokens)
     except ValueError as e:
-        return _fail(f"--stop-tokens: {e}")
-
-    from ling_jax.sharding import parse_mesh
-
-    try:
-        sizes = parse_mesh(args.mesh)
-    except ValueError as e:
-        return _fail(str(e))
+        return _usage(f"--stop-tokens: {e}")
 
     import jax
 
     import ling_jax
-    from ling_jax.checkpoint.safetensors_io import CheckpointError
-    from ling_jax.config import ConfigError
+    from ling_jax.sharding import parse_mesh
 
     try:
+        sizes = parse_mesh(args.mesh)
         mesh = ling_jax.make_mesh(**sizes) if sizes else None
+    except ValueError as e:
+        return _usage(str(e))
+    try:
         cfg, params = load_any(path, args.dtype, args.fp8_weights, mesh)
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
-        return _fail(str(e))
+    except (ValueError, OSError) as e:  # CheckpointError, ConfigError: the checkpoint could not be read
+        return fail(PROG, str(e), exit_code(e))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, stop_tokens=stop, unroll_layers=not args.scan_layers)
     try:  # under the mesh the MoE layers dispatch experts across `expert`, caches follow the table
@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.timed_rerun:
                 outs = ling_jax.generate(cfg, params, prompts, **kw)
                 t2 = time.perf_counter()
-    except ValueError as e:
-        return _fail(str(e))
-    except jax.errors.JaxRuntimeError as e:  # e.g. out of device memory: its first line says what
-        return _fail(f"the device failed: {str(e).splitlines()[0]}")
+    except ValueError as e:  # generate's checks of its arguments: the flags' values
+        return _usage(str(e))
+    except jax.errors.JaxRuntimeError as e:
+        return device_failed(PROG, e)
     n_new = sum(len(o) for o in outs)
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         text = f" {tok.decode(o)!r}" if tok else ""

@@ -1,6 +1,9 @@
-"""`ling-generate`: text prompts through a tokenizer.json, token-id prompts, clear errors."""
+"""`ling-generate`: text prompts through a tokenizer.json, token-id prompts, clear errors (exit 2 for a
+usage error, 1 for a checkpoint that cannot be read)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -50,10 +53,25 @@ def test_text_and_id_prompts(checkpoint, capsys):
     (["--prompt-ids", "1", "--mesh", "expert=x"], "--mesh: 'expert=x'"),
     (["--prompt-ids", "1", "--mesh", "experts=2"], "--mesh: 'experts=2'"),
     (["--prompt-ids", "1", "--mesh", "expert=16"], "16 but 8 devices"),
+    (["--prompt-ids", "1", "--fp8-weights"], "--fp8-weights needs an Orbax checkpoint with FP8 weights"),
+    (["--prompt-ids", "1", "--tokenizer", "/nonexistent.json"], "--tokenizer /nonexistent.json"),
 ])
 def test_bad_input_exits_with_one_line(checkpoint, capsys, args, msg):
     if "--checkpoint" not in args:
         args = ["--checkpoint", str(checkpoint), *args]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert msg in err and err.count("\n") == 1
+    assert err.startswith("ling-generate: error: ") and msg in err and err.count("\n") == 1
+
+
+def test_unreadable_checkpoint_is_a_failure(checkpoint, tmp_path, capsys):
+    """A checkpoint directory whose contents cannot be loaded: exit 1 and one line."""
+    (tmp_path / "empty").mkdir()
+    broken = shutil.copytree(checkpoint, tmp_path / "broken")
+    shard = next(broken.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    for path, msg in ((tmp_path / "empty", "an empty directory, not a checkpoint"), (broken, "truncated")):
+        assert main(["--checkpoint", str(path), "--prompt-ids", "1"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ling-generate: error: ") and msg in err and err.count("\n") == 1, err

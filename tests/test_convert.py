@@ -1,8 +1,10 @@
 """ling-convert / load_checkpoint / ling-export: golden logits, bit-exact round trips, crash and resume,
-bad input through the command line, and bounded memory (heavy)."""
+re-runs onto a finished output, bad input through the command line (exit 2 / 1), and bounded memory
+(heavy)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -42,6 +44,14 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 def _convert(src: Path, out: Path, *extra: str) -> Path:
     assert convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet", *extra]) == 0
     return out
+
+
+def _rerun_finds_it_done(out: Path, capsys) -> None:
+    """The command that converted BF16_SRC into `out` again: exit 0, saying there was nothing to do."""
+    capsys.readouterr()
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(out), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err == f"ling-convert: {out} already holds this conversion of {BF16_SRC}: nothing to do\n"
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +198,9 @@ def test_training_step_directory(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- interruption
-def test_rerun_after_the_commit_finishes_the_cleanup(tmp_path, monkeypatch):
+def test_rerun_after_the_commit_finishes_the_cleanup(tmp_path, monkeypatch, capsys):
     """Killed between the commit's rename and the removal of its state: the output loads, and a
-    re-run of the same conversion removes the leftover (another conversion is refused)."""
+    re-run of the same command removes the leftover and exits 0 (another conversion is refused)."""
     import ling_jax.checkpoint.convert as conv
 
     out, real = tmp_path / "ck", conv.fsync_dir
@@ -208,11 +218,88 @@ def test_rerun_after_the_commit_finishes_the_cleanup(tmp_path, monkeypatch):
         conv.convert_hf_to_orbax(BF16_SRC, out)
     monkeypatch.setattr(conv, "fsync_dir", real)
     assert (out / CONVERT_STATE).is_dir() and not partial_dir(out).exists()
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(FileExistsError, match=r"already holds a conversion of other inputs or options \(dtype "
+                                              r"bfloat16 -> float32\)"):
         conv.convert_hf_to_orbax(BF16_SRC, out, dtype="float32")
-    assert conv.convert_hf_to_orbax(BF16_SRC, out) == out
+    assert (out / CONVERT_STATE).is_dir()
+    _rerun_finds_it_done(out, capsys)
     assert not (out / CONVERT_STATE).exists()
     load_checkpoint(out)
+
+
+# ---------------------------------------------------------------- re-runs onto a finished output
+def _manifest(ck: Path) -> dict:
+    return json.loads((ck / "ling_checkpoint.json").read_text())
+
+
+def test_rerun_of_a_finished_conversion_changes_nothing(tmp_path, capsys):
+    out = _convert(BF16_SRC, tmp_path / "ck")
+    record = _manifest(out)["conversion"]
+    assert record["source"] == str(BF16_SRC.resolve()) and record["dtype"] == "bfloat16" and record["verified"]
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    _rerun_finds_it_done(out, capsys)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_other_inputs_onto_a_finished_conversion_are_refused(tmp_path, capsys):
+    """Another dtype, option or source, a source whose files or config changed since, or a checkpoint
+    that no conversion wrote: exit 2, one line saying what differs, the output untouched."""
+    src = shutil.copytree(BF16_SRC, tmp_path / "src")
+    out = _convert(src, tmp_path / "ck")
+    manifest = _manifest(out)
+
+    def refused(hf: Path, ck: Path, *extra: str) -> str:
+        capsys.readouterr()
+        assert convert_main(["--hf-dir", str(hf), "--out", str(ck), "--quiet", *extra]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ling-convert: error: {ck} already holds a "), err
+        return err[0]
+
+    assert "(dtype bfloat16 -> float32): remove it" in refused(src, out, "--dtype", "float32")
+    assert "(compress False -> True)" in refused(src, out, "--compress")
+    assert f"(source {src.resolve()} -> {BF16_SRC.resolve()})" in refused(BF16_SRC, out)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    assert "(the source's config.json changed)" in refused(src, out)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert "the source's config.json changed" in refused(src, out)  # same values, other bytes
+    shutil.copy2(BF16_SRC / "config.json", src / "config.json")
+    os.utime(src / "model.safetensors", ns=(0, 0))
+    assert "(the source's safetensors files changed (names, sizes or modification times))" in refused(src, out)
+    assert _manifest(out) == manifest
+    cfg, params = load_checkpoint(out)
+    saved = save_checkpoint(tmp_path / "saved", cfg, params)
+    assert "checkpoint that records no conversion of an HF source" in refused(BF16_SRC, saved)
+
+
+def test_verifying_rerun_verifies_an_unverified_conversion(tmp_path, capsys):
+    """Written with --no-verify, then the same command without it: every tensor is read back against
+    the source; a match is recorded as verified (exit 0), a changed chunk is a failure (exit 1)."""
+    out = _convert(BF16_SRC, tmp_path / "ck", "--no-verify")
+    assert _manifest(out)["conversion"]["verified"] is False
+    bad = shutil.copytree(out, tmp_path / "bad")
+    chunk = next(f for f in (bad / "params" / "segments.0.attn.q_proj" / "c" / "0").rglob("*") if f.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(bad), "--quiet"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ling-convert: error: verify: {bad}: 1 tensors read back with other "
+                                               "bytes than the source gives (first: segments.0.attn.q_proj[0]"), err
+    assert _manifest(bad)["conversion"]["verified"] is False
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(out), "--quiet"]) == 0
+    assert _manifest(out)["conversion"]["verified"] is True
+
+
+def test_convert_and_export_do_not_import_each_other():
+    """What the two commands share lives in ling_jax.cli and ling_jax.checkpoint.layout."""
+    root = Path(ling_jax.__file__).parent / "checkpoint"
+    for mine, other in (("convert", "export"), ("export", "convert")):
+        tree = ast.parse((root / f"{mine}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert f"ling_jax.checkpoint.{other}" not in imported, mine
 
 
 def _big_fp8_source(path: Path, num_layers: int) -> Path:
@@ -320,17 +407,19 @@ def _bad_architecture(tmp: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (_truncated, "model.safetensors: truncated: tensor"),
-    (_index_missing_file, "model.safetensors.index.json names model-0000"),
-    (_bad_scale, "scale model.layers.0.attention.q_proj.weight_scale_inv has shape"),
-    (_bad_architecture, "architectures=.*BailingMoeV3ForCausalLM"),
-    (lambda tmp: tmp / "does-not-exist", "does-not-exist: no such directory"),
+@pytest.mark.parametrize(("make", "message", "code"), [
+    (_truncated, "model.safetensors: truncated: tensor", 1),
+    (_index_missing_file, "model.safetensors.index.json names model-0000", 1),
+    (_bad_scale, "scale model.layers.0.attention.q_proj.weight_scale_inv has shape", 1),
+    (_bad_architecture, "architectures=.*BailingMoeV3ForCausalLM", 1),
+    (lambda tmp: tmp / "does-not-exist", "--hf-dir .*does-not-exist: no such directory", 2),
+    (lambda tmp: Path(__file__), "--hf-dir .*test_convert.py: not a directory", 2),
 ])
-def test_bad_input_fails_cleanly(tmp_path, capsys, make, message):
+def test_bad_input_fails_cleanly(tmp_path, capsys, make, message, code):
+    """A corrupt source is a failure (exit 1), a --hf-dir that is no directory a usage error (exit 2)."""
     src = make(tmp_path)
     out = tmp_path / "out"
-    assert convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet"]) == 1
+    assert convert_main(["--hf-dir", str(src), "--out", str(out), "--quiet"]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ling-convert: error: "), err
     assert re.search(message, err[0]), err[0]
@@ -338,17 +427,30 @@ def test_bad_input_fails_cleanly(tmp_path, capsys, make, message):
 
 
 def test_cli_refusals(tmp_path, capsys, ck_float8):
+    """Usage errors exit 2 (an output taken, a flag value the input cannot take, a missing path, a bad
+    flag value); a failure of the work exits 1 (a directory that is not a checkpoint); one line each."""
+
+    def one_line(prog: str, *parts: str) -> None:
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"{prog}: error: ") and all(p in err[0] for p in parts), err
+
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("")
-    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "taken"), "--quiet"]) == 1
-    assert "already exists" in capsys.readouterr().err
-    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "o"), "--dtype", "float8"]) == 1
-    assert "no block-FP8 weights" in capsys.readouterr().err
-    assert export_main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 1
-    assert capsys.readouterr().err.startswith("ling-export: error: ")
-    with pytest.raises(SystemExit) as e:
-        convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "o"), "--dtype", "int4"])
-    assert e.value.code != 0
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "taken"), "--quiet"]) == 2
+    one_line("ling-convert", "taken already exists")
+    assert convert_main(["--hf-dir", str(BF16_SRC), "--out", str(tmp_path / "o"), "--dtype", "float8"]) == 2
+    one_line("ling-convert", "no block-FP8 weights")
+    assert export_main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    one_line("ling-export", "--checkpoint", "nothing: no such directory")
+    assert export_main(["--checkpoint", str(ck_float8), "--out", str(tmp_path / "taken"), "--quiet"]) == 2
+    one_line("ling-export", "taken already exists")
+    assert export_main(["--checkpoint", str(tmp_path / "taken"), "--out", str(tmp_path / "o")]) == 1
+    one_line("ling-export", "incomplete checkpoint")
+    for main in (convert_main, export_main):
+        with pytest.raises(SystemExit) as e:
+            main(["--hf-dir" if main is convert_main else "--checkpoint", str(BF16_SRC), "--out", str(tmp_path / "o"),
+                  "--dtype", "int4"])
+        assert e.value.code == 2
     assert not (tmp_path / "o").exists()
 
 

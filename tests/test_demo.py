@@ -1,5 +1,5 @@
 """`ling-demo`, the README's main job: it runs end to end, replaces only its own outputs in `--out`, and
-refuses a bad step count before doing anything."""
+refuses a bad step count, preset or `--out` before doing anything (exit 2)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ def test_bad_step_count_is_refused_first(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--out", str(tmp_path / "demo"), "--train-steps", "0"])
     assert e.value.code == 2 and "--train-steps 0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for argv, msg in ((["--preset", "nope", "--out", str(tmp_path / "demo")], "--preset: unknown preset 'nope'"),
+                      (["--out", str(tmp_path / "file")], f"--out {tmp_path / 'file'}: not a directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ling-demo: error: {msg}") and err.count("\n") == 1, err
     assert not (tmp_path / "demo").exists()
 
 

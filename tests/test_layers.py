@@ -188,3 +188,28 @@ def test_routed_partial_non_local_experts_values_gradients_and_counts():
     assert float(jnp.abs(ga[0][-2:]).max()) == 0.0  # padding rows: no expert, no gradient
     want = np.bincount(np.asarray(idx).reshape(-1), minlength=e + 1)[:e]
     np.testing.assert_array_equal(moe_ops.expert_counts(idx, e), want)
+# selection scores sigmoid(logit) + bias of 16 experts in 4 groups of 4, made so that each wrong
+# rule picks other experts: ranking groups by the sum of their top 2 keeps groups 1 and 2 (1.15, 1.13);
+# by the top 1 it would keep 0 and 1, by the sum of all 4 groups 3 and 1, without the bias (experts 8
+# and 9 score 0.08 and 0.05 unbiased) groups 1 and 0; topk_group + 1 = 3 groups adds group 0
+GROUPED_SEL = np.array([0.90, 0.10, 0.10, 0.10,   0.60, 0.55, 0.05, 0.05,
+                        0.58, 0.55, 0.02, 0.01,   0.50, 0.45, 0.40, 0.40])
+GROUPED_BIAS = np.where(np.isin(np.arange(16), (8, 9)), 0.5, 0.0)
+
+
+@pytest.mark.parametrize("decode_impl", ["xla", "pallas"])  # pallas: the selection kernel (interpret mode on CPU)
+def test_router_keeps_the_topk_group_groups_of_best_top2_sum(decode_impl):
+    """Exact experts and weights for scores where topk_group + 1 groups, a group score of the top 1
+    or of all its experts, or a score without the bias would each select other experts."""
+    cfg = LingConfig.preset("debug", num_experts=16, n_group=4, topk_group=2, num_experts_per_tok=2,
+                            decode_impl=decode_impl)
+    unbiased = GROUPED_SEL - GROUPED_BIAS
+    x = jnp.asarray(np.log(unbiased / (1 - unbiased))[None], jnp.float32)  # logits whose sigmoid is `unbiased`
+    idx, wts, _ = route(x, jnp.eye(16, dtype=jnp.float32), jnp.asarray(GROUPED_BIAS, jnp.float32), cfg)
+    assert np.asarray(idx[0]).tolist() == [4, 8]  # best of groups 1 and 2: 0.60, 0.58
+    want = 2.5 * unbiased[[4, 8]] / unbiased[[4, 8]].sum()  # the unbiased scores, renormalised and scaled
+    np.testing.assert_allclose(np.asarray(wts[0]), want, rtol=1e-5)
+    # the same scores with 3 groups kept: group 0's 0.90 wins
+    idx3, _, _ = route(x, jnp.eye(16, dtype=jnp.float32), jnp.asarray(GROUPED_BIAS, jnp.float32),
+                       dataclasses.replace(cfg, topk_group=3))
+    assert np.asarray(idx3[0]).tolist() == [0, 4]

@@ -1,4 +1,5 @@
-"""Continued pretraining: learning, exact resume after SIGKILL, gradients, bias balancing, packing, bad input."""
+"""Continued pretraining: learning, exact resume (after SIGKILL, after a failure), gradients, bias balancing,
+packing, bad input (exit 2 / 1), no half-made run directory left behind."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import SUBPROCESS_CACHE, rel_l2
 
+from ling_jax.checkpoint.export import save_hf_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.model import forward_hidden, lm_head
 from ling_jax.ops.logsumexp import row_logsumexp
 from ling_jax.params import init_params
 from train import loss as ce_loss
 from train.config import TrainConfig
-from train.data import IGNORE, PackedBatches
+from train.data import IGNORE, DataError, PackedBatches
 from train.optim import make_optimizer
 from train.step import (
     apply_bias_update,
@@ -195,8 +197,6 @@ def test_token_stream_over_files_equals_their_concatenation(tmp_path):
 
 
 def test_data_position_must_belong_to_the_corpus():
-    from train.data import DataError
-
     toks = corpus(40)
     with pytest.raises(DataError, match="fewer than one batch of 1000"):
         PackedBatches(toks, seq_len=16, batch_size=1000, eos_id=1)
@@ -347,6 +347,74 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), pa, pb)
 
 
+# a dense 2-layer model with unrolled layers: its train step compiles in seconds
+RESUME_MODEL = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0, num_nextn_predict_layers=0,
+                    num_experts=None)
+RESUME_TCFG = dict(batch_size=2, seq_len=16, compute_dtype="float32", remat="none", unroll_layers=True,
+                   checkpoint_every=2)
+
+
+@pytest.fixture(scope="module")
+def failed_then_resumed(tmp_path_factory):
+    """ling-train for 5 steps on a tiny model whose corpus fails at the 4th batch (after the step-2
+    checkpoint; the failure saves step 3), then the same command again. Returns both exit codes,
+    the checkpoint steps the failed run left, the inputs of the batches each run drew, the run
+    directory and the corpus."""
+    from train import data as train_data
+    from train.main import main
+
+    tmp = tmp_path_factory.mktemp("resume")
+    cfg = LingConfig.preset("debug", **RESUME_MODEL)
+    save_hf_checkpoint(cfg, init_params(cfg, seed=0), tmp / "hf", dtype="float32")
+    corpus(60).tofile(tmp / "d.bin")
+    (tmp / "c.json").write_text(json.dumps(RESUME_TCFG))
+    argv = ["--init", f"hf:{tmp / 'hf'}", "--data", str(tmp / "d.bin"), "--out", str(tmp / "run" / "a"),
+            "--steps", "5", "--config", str(tmp / "c.json")]
+    drawn: list[list[np.ndarray]] = []
+    real_next = train_data.PackedBatches.__next__
+
+    def recording_next(self):
+        if len(drawn) == 1 and len(drawn[0]) == 3:
+            raise DataError("the corpus became unreadable")
+        batch = real_next(self)
+        drawn[-1].append(batch["inputs"].copy())
+        return batch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_data.PackedBatches, "__next__", recording_next)
+        drawn.append([])
+        codes = [main(argv)]
+        left = sorted(int(p.name) for p in (tmp / "run" / "a" / "checkpoints").iterdir())
+        drawn.append([])
+        codes.append(main(argv))
+    return codes, left, drawn, tmp / "run" / "a", tmp / "d.bin"
+
+
+def test_resume_draws_the_batches_of_a_straight_run(failed_then_resumed):
+    """The failed run drew batches 1-3 and checkpointed step 3 with its data position; the resumed
+    run drew 4 and 5: exactly the 5 batches of a straight run, and its last checkpoint holds the
+    straight run's data position."""
+    codes, left, drawn, out, data = failed_then_resumed
+    assert codes == [1, 0]
+    straight = PackedBatches(np.fromfile(data, np.uint32), seq_len=16, batch_size=2, eos_id=1)
+    want = [next(straight)["inputs"] for _ in range(5)]
+    assert [len(d) for d in drawn] == [3, 2]
+    for got, w in zip(drawn[0] + drawn[1], want, strict=True):
+        np.testing.assert_array_equal(got, w)
+    with ocp.CheckpointManager(out / "checkpoints") as mngr:
+        assert mngr.latest_step() == 5
+        position = mngr.restore(5, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    assert position == straight.state()
+    assert sorted(_losses(out)) == [1, 2, 3, 4, 5]
+
+
+def test_failed_run_keeps_its_checkpoints(failed_then_resumed):
+    """A run that fails after its first checkpoint keeps the --out it created, with the checkpoint of
+    its last step."""
+    codes, left, *_ = failed_then_resumed
+    assert codes[0] == 1 and left == [2, 3]
+
+
 GRAD_SHAPE = dict(num_hidden_layers=2, layer_group_size=2, first_k_dense_replace=0)  # 1 KDA + 1 MLA layer
 # the fused attention kernels take power-of-two head dims >= 16 (debug's rope width is 8; both impls
 # get the same shapes, so the same params)
@@ -467,6 +535,30 @@ def test_bias_update_moves_router_toward_balance():
     assert first > 2.5 and last < 0.6 * first, (first, last)
 
 
+def test_train_step_applies_the_expert_bias_update(tiny):
+    """One real step moves every MoE layer's expert_bias, the MTP layer's included, by exactly
+    bias_update_rate * sign(mean load - load) of that step's expert counts (no gradient reaches it)."""
+    cfg, tcfg, opt, step = tiny
+    state = fresh_state(cfg, opt)
+    batch = jax.device_put(next(PackedBatches(corpus(50), seq_len=32, batch_size=4, eos_id=1)))
+    counts = jax.jit(lambda p, b: loss_terms(cfg, tcfg, p, b)[2])(state["params"], batch)
+
+    def biases(params):
+        return [np.asarray(x, np.float64) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                if path[-1] == jax.tree_util.DictKey("expert_bias")]
+
+    before = biases(state["params"])  # (the step donates the state)
+    state, m = step(state, batch)
+    assert bool(m["finite"])
+    after, loads = biases(state["params"]), [np.asarray(c, np.float64) for c in jax.tree.leaves(counts)]
+    assert len(before) == len(loads) == 3  # the MTP layer's, then the KDA and MLA layers' stacks [2, (1,) E]
+    for old, new, load in zip(before, after, loads, strict=True):
+        assert load.shape == old.shape
+        want = tcfg.bias_update_rate * np.sign(load.mean(-1, keepdims=True) - load)
+        assert np.any(want != 0)
+        np.testing.assert_allclose(new - old, want, rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("attention", ["xla", pytest.param("pallas", marks=pytest.mark.heavy)])
 def test_packing_equals_documents_one_by_one(attention):
     """Per-document loss of a packed sequence == each document run alone (KDA, conv and MLA reset),
@@ -497,33 +589,66 @@ def test_packing_equals_documents_one_by_one(attention):
     assert np.abs(leaky[14:22] - per_tok[14:22]).max() > 1e-3
 
 
-@pytest.mark.parametrize("case, msg", [
-    ("missing", "no such file"), ("empty", "corpus is empty"), ("vocab", "token id 9999 at position 3"),
-    ("seqlen", "exceeds the model's max_position_embeddings"), ("mesh", "--mesh: 'dta=2' is not axis=size"),
-    ("config", "c.json: not valid JSON (Expecting value"), ("yaml", "c.yaml: not valid YAML (while parsing"),
-    ("list", "c.json: expected a mapping of options, got list"),
+@pytest.mark.parametrize("case, msg, code", [
+    ("missing", "--data {tmp}/d.bin: no such file", 2), ("empty", "corpus is empty", 1),
+    ("vocab", "token id 9999 at position 3", 1), ("seqlen", "exceeds the model's max_position_embeddings", 2),
+    ("batch", "fewer than one batch of 1000", 2), ("mesh", "--mesh: 'dta=2' is not axis=size", 2),
+    ("config", "c.json: not valid JSON (Expecting value", 2), ("yaml", "c.yaml: not valid YAML (while parsing", 2),
+    ("list", "c.json: expected a mapping of options, got list", 2),
+    ("init", "--init 'hf/x': expected random:PRESET, hf:DIR or orbax:DIR", 2),
+    ("preset", "--init random:nope: unknown preset 'nope'", 2), ("init_dir", "--init {tmp}/none: no such directory", 2),
+    ("init_file", "--init {tmp}/d.bin: not a directory", 2), ("tokenizer", "--tokenizer {tmp}/t.json: no such file", 2),
+    ("out_file", "--out {tmp}/o: a file, not a run directory", 2), ("not_checkpoint", "no config.json at", 1),
 ])
-def test_bad_input(tmp_path, capsys, case, msg):
+def test_bad_input(tmp_path, capsys, case, msg, code):
+    """Usage errors exit 2, failures of the run 1, with one line; the --out the run would have made is
+    not left behind (a file given as --out stays)."""
     from train.main import main
 
     data = tmp_path / "d.bin"
+    if case not in ("missing", "empty", "vocab"):
+        corpus(5).tofile(data)
     if case == "empty":
         data.write_bytes(b"")
     elif case == "vocab":
         np.asarray([1, 2, 3, 9999, 4], np.uint32).tofile(data)
-    elif case == "seqlen":
-        corpus(5).tofile(data)
     configs = {"config": ("c.json", "nope"), "yaml": ("c.yaml", "a: [1\n"), "list": ("c.json", "[1, 2]")}
-    extra = ["--mesh", "dta=2"] if case == "mesh" else []
+    extra = {"mesh": ["--mesh", "dta=2"], "tokenizer": ["--tokenizer", str(tmp_path / "t.json")]}.get(case, [])
     if case in configs:
         name, text = configs[case]
         (tmp_path / name).write_text(text)
         extra = ["--config", str(tmp_path / name)]
-    seq = "4096" if case == "seqlen" else "16"
-    rc = main(["--init", "random:debug", "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "1",
-               "--batch-size", "1", "--seq-len", seq, *extra])
+    init = {"init": "hf/x", "preset": "random:nope", "init_dir": f"hf:{tmp_path / 'none'}",
+            "init_file": f"orbax:{data}", "not_checkpoint": f"hf:{tmp_path}"}.get(case, "random:debug")
+    out = tmp_path / "o"
+    if case == "out_file":
+        out.write_text("")
+    seq, batch = "4096" if case == "seqlen" else "16", "1000" if case == "batch" else "1"
+    rc = main(["--init", init, "--data", str(data), "--out", str(out), "--steps", "1", "--batch-size", batch,
+               "--seq-len", seq, *extra])
     err = capsys.readouterr().err
-    assert rc == 2 and msg in err and err.count("\n") == 1, err
+    assert rc == code and err.startswith("ling-train: error: ") and err.count("\n") == 1, err
+    assert msg.format(tmp=tmp_path) in err, err
+    assert out.is_file() if case == "out_file" else not out.exists()
+
+
+def test_failed_run_removes_only_the_out_it_created(tmp_path, capsys):
+    """A run failing before its first checkpoint removes the --out it made (with the parents it made),
+    never a directory that was there before it."""
+    from train.main import main
+
+    corpus(20).tofile(tmp_path / "d.bin")
+    (tmp_path / "empty").mkdir()  # a directory, so the command line is fine; loading it as a model fails
+    argv = ["--init", f"hf:{tmp_path / 'empty'}", "--data", str(tmp_path / "d.bin"), "--steps", "1",
+            "--batch-size", "1", "--seq-len", "16", "--out"]
+    assert main([*argv, str(tmp_path / "new" / "run")]) == 1
+    assert "no config.json at" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert main([*argv, str(mine)]) == 1
+    assert (mine / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.heavy

@@ -12,6 +12,13 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 
+def has_checkpoint(out_dir: str | Path) -> bool:
+    """Whether the run directory `out_dir` holds a committed checkpoint step (Orbax renames a step's
+    temporary directory to the bare step number when the step is complete)."""
+    steps = Path(out_dir) / "checkpoints"
+    return steps.is_dir() and any(p.name.isdigit() and p.is_dir() for p in steps.iterdir())
+
+
 class RunCheckpoints:
     """The checkpoints of one run under `<out>/checkpoints`."""
 

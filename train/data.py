@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ling_jax.cli import UsageError
+
 IGNORE = -100
 TOKEN_SUFFIXES = (".bin", ".npy")
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -29,6 +31,12 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 class DataError(ValueError):
     """A corpus that cannot be trained on; the message names the file."""
+
+
+class DataArgumentError(DataError, UsageError):
+    """A corpus that cannot be trained on as the command line asks: a `--data` path that is missing or
+    holds no corpus files, text without a tokenizer, a batch larger than the corpus, a resume with
+    another corpus or order."""
 
 
 class TokenStream:
@@ -52,16 +60,20 @@ class TokenStream:
         return np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
 
 
-def _files(path: Path) -> list[Path]:
+def data_files(path: str | Path) -> list[Path]:
+    """The corpus files `path` names (itself, or a directory's corpus files in sorted order);
+    DataArgumentError when there are none."""
+    path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in TOKEN_SUFFIXES + TEXT_SUFFIXES)
         if not files:
-            raise DataError(f"--data {path}: no .bin/.npy/.txt/.jsonl files in this directory")
+            raise DataArgumentError(f"--data {path}: no .bin/.npy/.txt/.jsonl files in this directory")
         return files
     if not path.exists():
-        raise DataError(f"--data {path}: no such file or directory")
+        raise DataArgumentError(f"--data {path}: no such file or directory")
     if path.suffix not in TOKEN_SUFFIXES + TEXT_SUFFIXES:
-        raise DataError(f"--data {path}: unsupported file type {path.suffix!r} (use .bin, .npy, .txt or .jsonl)")
+        raise DataArgumentError(f"--data {path}: unsupported file type {path.suffix!r} (use .bin, .npy, .txt or "
+                                ".jsonl)")
     return [path]
 
 
@@ -86,7 +98,7 @@ def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: st
     file), a `TokenStream` over a directory's files (each memory-mapped, never copied whole)."""
     parts: list[np.ndarray] = []
     tok = None
-    for f in _files(Path(path)):
+    for f in data_files(path):
         if f.suffix in TOKEN_SUFFIXES and f.stat().st_size == 0:
             raise DataError(f"{f}: the corpus is empty (0 bytes)")
         if f.suffix == ".bin":
@@ -100,14 +112,14 @@ def load_tokens(path: str | Path, *, vocab_size: int, eos_id: int, tokenizer: st
             parts.append(arr)
         else:
             if tokenizer is None:
-                raise DataError(f"{f}: text data needs --tokenizer tokenizer.json")
+                raise DataArgumentError(f"{f}: text data needs --tokenizer tokenizer.json")
             if tok is None:
                 from tokenizers import Tokenizer
 
                 try:
                     tok = Tokenizer.from_file(str(tokenizer))
                 except Exception as e:  # the tokenizers library raises plain Exceptions
-                    raise DataError(f"--tokenizer {tokenizer}: {e}") from None
+                    raise DataArgumentError(f"--tokenizer {tokenizer}: {e}") from None
             ids = [t for doc in _documents(f) for t in [*tok.encode(doc, add_special_tokens=False).ids, eos_id]]
             parts.append(np.asarray(ids, np.uint32))
     tokens = parts[0] if len(parts) == 1 else TokenStream(parts)
@@ -131,23 +143,25 @@ class PackedBatches:
         self.seed, self.shuffle = seed, shuffle
         self.n_windows = (tokens.size - 1) // seq_len
         if self.n_windows < batch_size:
-            raise DataError(f"the corpus has {tokens.size} tokens: {self.n_windows} sequences of seq_len={seq_len} "
-                            f"+ 1, fewer than one batch of {batch_size} (each batch would repeat sequences)")
+            raise DataArgumentError(f"the corpus has {tokens.size} tokens: {self.n_windows} sequences of "
+                                    f"seq_len={seq_len} + 1, fewer than one batch of {batch_size} (each batch "
+                                    "would repeat sequences)")
         self.epoch, self.index = (0, 0) if state is None else (int(state["epoch"]), int(state["index"]))
         if state is not None:
             self._check_resume(state)
         self._order = self._permutation(self.epoch)
 
     def _check_resume(self, state: dict[str, int]) -> None:
-        """DataError unless `state` was taken over this corpus with this order (a position in another
+        """DataArgumentError unless `state` was taken over this corpus with this order (a position in another
         corpus or order would resume at other tokens)."""
         ours = self.state()
         changed = [f"{k} {state[k]} -> {ours[k]}" for k in ("n_windows", "seq_len", "seed", "shuffle")
                    if k in state and state[k] != ours[k]]
         if changed or not 0 <= self.index <= self.n_windows:
-            raise DataError("the checkpoint's data position belongs to another corpus or order ("
-                            + (", ".join(changed) or f"window {self.index} of {self.n_windows}")
-                            + "): resume with the run's --data, --seq-len, seed and shuffle, or start a new --out")
+            raise DataArgumentError("the checkpoint's data position belongs to another corpus or order ("
+                                    + (", ".join(changed) or f"window {self.index} of {self.n_windows}")
+                                    + "): resume with the run's --data, --seq-len, seed and shuffle, or start a "
+                                      "new --out")
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:

@@ -12,6 +12,10 @@ in flight (exit 130 / 143); a second Ctrl-C stops at once. Every step appends on
 to `<out>/metrics.jsonl` (step, loss, grad_norm, lr, tokens_per_s, mfu, MoE load, ...; a resumed
 run first drops the lines after its checkpoint) and prints a progress line; metrics are read one
 step late so the device never waits for the host, and a step's time excludes checkpoint writes.
+
+Exits 2 on a usage error (flags, `--config`, the paths given: checked before anything is written),
+1 when the run fails (`ling_jax.cli`). A run that ends without a checkpoint removes the `--out`
+directory it created (never one that existed before it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import contextlib
 import functools
 import json
+import shutil
 import signal
 import sys
 import threading
@@ -27,9 +32,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ling_jax.cli import (
+    EXIT_USAGE,
+    OutputExistsError,
+    UsageError,
+    device_failed,
+    existing_dir,
+    existing_file,
+    exit_code,
+    fail,
+)
+
+PROG = "ling-train"
+
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ling-train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--init", required=True, help="random:PRESET, hf:DIR or orbax:DIR (ignored when resuming)")
     ap.add_argument("--data", required=True, help=".bin/.npy token file, .txt/.jsonl text, or a directory of them")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, config.json)")
@@ -45,11 +63,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _fail(msg: str) -> int:
-    print(f"ling-train: {msg}", file=sys.stderr)
-    return 2
-
-
 def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, Any]:
     """(config, float32 params) from random:PRESET (drawn with `seed`), hf:DIR or orbax:DIR."""
     import ling_jax
@@ -63,26 +76,80 @@ def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, An
         return ling_jax.load_hf_checkpoint(arg, dtype=dtype, mesh=mesh)
     if kind == "orbax":
         return ling_jax.load_checkpoint(arg, dtype=dtype, mesh=mesh)
-    raise ValueError(f"--init {spec!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+    raise UsageError(f"--init {spec!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+
+
+def check_command_line(args: argparse.Namespace) -> None:
+    """UsageError unless the paths given exist as what they name: `--out` a directory or nothing,
+    `--data` a corpus file or a directory of them, `--tokenizer` a file, and (unless `--out` holds a
+    checkpoint to resume) `--init` a known preset or an existing directory."""
+    from ling_jax.config import ConfigError, LingConfig
+    from train.checkpointing import has_checkpoint
+    from train.data import data_files
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"--out {out}: a file, not a run directory")
+    data_files(args.data)
+    if args.tokenizer is not None:
+        existing_file("--tokenizer", args.tokenizer)
+    if has_checkpoint(out):
+        return
+    kind, _, arg = args.init.partition(":")
+    if kind in ("hf", "orbax"):
+        existing_dir("--init", arg)
+    elif kind == "random":
+        try:
+            LingConfig.preset(arg)
+        except ConfigError as e:
+            raise UsageError(f"--init {args.init}: {e}") from None
+    else:
+        raise UsageError(f"--init {args.init!r}: expected random:PRESET, hf:DIR or orbax:DIR")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ling_jax.sharding import parse_mesh
+    from train.checkpointing import has_checkpoint
     from train.config import TrainConfig
 
     try:
         tcfg = TrainConfig.load(args.config, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                                 lr=args.lr, warmup_steps=args.warmup_steps,
                                 mesh=None if args.mesh is None else parse_mesh(args.mesh))
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        return _fail(str(e))
+        check_command_line(args)
+    except (ValueError, OSError, TypeError) as e:  # the flags, the --config file, the paths given
+        return fail(PROG, str(e), EXIT_USAGE)
+    out = Path(args.out)
+    made = _outermost_missing(out)  # what the run's mkdir creates
+    rc = _run(args, tcfg)
+    if rc != 0 and made is not None and not has_checkpoint(out):  # nothing to resume: no half-made run left
+        shutil.rmtree(made, ignore_errors=True)
+    return rc
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    """The outermost directory that creating `path` with its parents makes (None: `path` exists)."""
+    if path.exists():
+        return None
+    top = path.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def _run(args: argparse.Namespace, tcfg: Any) -> int:
+    """`run`, its errors as one line: exit 2 (usage), 1 (failure) or 130 (a second Ctrl-C)."""
+    import jax
+
     try:
         return run(args, tcfg)
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError derive from ValueError
-        return _fail(str(e))
+        return fail(PROG, str(e), exit_code(e))
+    except jax.errors.JaxRuntimeError as e:
+        return device_failed(PROG, e)
     except KeyboardInterrupt:  # a second Ctrl-C (or one in a multi-process run): what was saved is reported
-        print("ling-train: interrupted", file=sys.stderr)
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
 
@@ -103,8 +170,6 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
 
     distributed.initialize()  # joins a multi-process job when one is configured; else nothing
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file, not a run directory")
     out.mkdir(parents=True, exist_ok=True)
     lead = jax.process_index() == 0  # the process that writes the run's files and prints
     mesh = make_mesh(**tcfg.mesh) if tcfg.mesh else None
@@ -121,7 +186,7 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         cfg = LingConfig.from_hf(out / "config.json")
         params = None
     if tcfg.seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"--seq-len {tcfg.seq_len} exceeds the model's max_position_embeddings "
+        raise UsageError(f"--seq-len {tcfg.seq_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else cfg.vocab_size - 1
     tokens = load_tokens(args.data, vocab_size=cfg.vocab_size, eos_id=eos, tokenizer=args.tokenizer)
@@ -168,8 +233,12 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
         rows = distributed.local_rows(batch_sharding(mesh, shape), shape)
         return distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh, shape[0])
 
+    last_saved = start  # the step of the run's newest checkpoint
+
     def save(it: int) -> None:
+        nonlocal last_saved
         ckpts.save(it, checkpointed(state), data_pos, {**meta, "iteration": it})
+        last_saved = it
         clock["free"] = time.perf_counter()  # the next step's time starts after the write
 
     def report(it: int, m: dict[str, Any], dt: float) -> None:
@@ -233,23 +302,22 @@ def run(args: argparse.Namespace, tcfg: Any) -> int:
             flush()
             finished = True
         finally:
-            saved = it > start  # else nothing moved (e.g. interrupted while compiling the first step)
-            if saved and finished:
+            if it > last_saved and finished:  # else nothing moved since (e.g. interrupted compiling the first step)
                 save(it)
-            elif saved:  # an error or Ctrl-C: keep what the last step made, if it still exists
+            elif it > last_saved:  # an error or Ctrl-C: keep what the last step made, if it still exists
                 with contextlib.suppress(Exception):
                     flush()  # an interrupted run still reports its last step
                 try:
                     save(it)
                 except Exception as e:  # e.g. the state's buffers were donated to the interrupted step
-                    saved = False
                     print(f"ling-train: no checkpoint at step {it} ({type(e).__name__}: {e}); the last saved "
                           "one stands", file=sys.stderr)
             ckpts.wait()
             ckpts.close()
     if stop.requested and it < tcfg.steps:
         print(f"ling-train: {stop.requested}: stopped at step {it}, "
-              + ("checkpoint saved" if saved else "before any step: nothing to save"), file=sys.stderr)
+              + ("checkpoint saved" if last_saved == it > start else "before any step: nothing to save" if it == start
+                 else f"the checkpoint of step {last_saved} stands"), file=sys.stderr)
         return 143 if stop.requested == "SIGTERM" else 130
     print(f"saved {out / 'checkpoints'} at step {it}")
     return 1 if gave_up or bad >= tcfg.max_bad_steps else 0

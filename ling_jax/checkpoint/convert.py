@@ -17,7 +17,12 @@
    the log lists (resume). A run with other inputs discards the partial directory first.
 5. Verify: read every element back through Orbax's read spec and compare its CRC32; parse the
    items with Orbax's own metadata reader. Then write the Orbax metadata, config.json and the
-   manifest, and rename `<out>.partial` onto `<out>` (atomic commit).
+   manifest (which records the fingerprint of the source and options), and rename `<out>.partial`
+   onto `<out>` (atomic commit).
+6. A re-run onto a committed output whose manifest records this same conversion (same source
+   files, config and options) changes nothing and succeeds (verifying it first against the
+   source if it was written without verification and this run verifies); any other committed
+   output is refused.
 
 `--dtype bfloat16` dequantizes FP8 blocks in float32 and rounds once to bfloat16; tensors stored in
 float32 (A_log, dt_bias, expert_bias, a float32 router) stay float32. `--dtype float8` keeps the FP8
@@ -44,12 +49,13 @@ import ml_dtypes
 import numpy as np
 
 from ling_jax.checkpoint import fp8
-from ling_jax.checkpoint.export import transpose2d
 from ling_jax.checkpoint.hf import HFSource, scale_name
+from ling_jax.checkpoint.layout import transpose2d
 from ling_jax.checkpoint.orbax_io import (
     CONFIG,
     CONVERT_STATE,
     DEFAULT_CHUNK_BYTES,
+    MANIFEST,
     PARAMS,
     SCALES,
     CheckpointReader,
@@ -64,7 +70,8 @@ from ling_jax.checkpoint.orbax_io import (
     write_text_atomic,
 )
 from ling_jax.checkpoint.safetensors_io import CheckpointError
-from ling_jax.config import ConfigError, LingConfig
+from ling_jax.cli import OutputExistsError, UsageError, existing_dir, run_command
+from ling_jax.config import LingConfig
 from ling_jax.params import ParamSlot, param_slots
 
 DTYPES = ("bfloat16", "float8", "float32")
@@ -214,7 +221,7 @@ def _prepare_partial(tmp: Path, fingerprint: dict[str, Any], log: Callable[[str]
 
 def _check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise UsageError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     return dtype
 
 
@@ -227,7 +234,10 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     "float32", or "float8" (FP8 weights and their scales kept as they are; needs an FP8 source).
     `compress`: zstd chunks (Orbax's default; smaller, slower to write and read).
     `verify`: read every element back and compare its checksum before committing.
-    Resumes an interrupted conversion of the same source with the same options.
+    Resumes an interrupted conversion of the same source with the same options. An `out_dir` that
+    already holds the committed result of this same conversion is returned as it is (verified
+    against the source first when `verify` and it was written without); `OutputExistsError` for
+    an `out_dir` holding anything else.
     """
     _check_dtype(dtype)
     say = log or ((lambda m: print(m, file=sys.stderr)) if show_progress else (lambda m: None))
@@ -235,26 +245,20 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     out = Path(out_dir)
     if not hf.is_dir():
         raise CheckpointError(f"{hf}: no such directory")
-    # a committed output that still holds its conversion state was interrupted in its last cleanup
-    committed = (out / CONVERT_STATE).is_dir() and not partial_dir(out).exists()
+    committed = (out / MANIFEST).is_file()  # the manifest is written just before the commit's rename
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not committed:
-        raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
+        raise OutputExistsError(f"{out} already exists (remove it or choose another output directory)")
     cfg = LingConfig.from_hf(hf)
     src = HFSource(hf, cfg)
     src.validate(param_slots(cfg))
     fingerprint = _fingerprint(hf, src, dtype, compress, chunk_bytes)
-    if committed:
-        if not _same_job(out / CONVERT_STATE, fingerprint):
-            raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
-        shutil.rmtree(out / CONVERT_STATE)
-        say(f"{out} was committed by an interrupted run of this conversion; removed its leftover state")
-        open_checkpoint(out)
-        return out
     leaves, work = _plan(cfg, src, dtype)
     if dtype == "float8" and not any(lp.fp8_block for lp in leaves):
-        raise CheckpointError(f"{hf} has no block-FP8 weights to keep; --dtype float8 needs an FP8 source "
-                              "(ling-export --dtype float8 quantizes a checkpoint whose config.json has a "
-                              "quantization_config)")
+        raise UsageError(f"{hf} has no block-FP8 weights to keep; --dtype float8 needs an FP8 source "
+                         "(ling-export --dtype float8 quantizes a checkpoint whose config.json has a "
+                         "quantization_config)")
+    if committed:
+        return _reuse(out, src, fingerprint, leaves, work, verify=verify, show=show_progress, say=say)
     # ---------------------------------------------------------------- everything checked: start writing
     tmp = partial_dir(out)
     init_ns = time.time_ns()
@@ -295,7 +299,7 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
         write_manifest(tmp, stored="float8" if dtype == "float8" else stored.pop() if len(stored) == 1 else "mixed",
                        fp8_blocks={lp.key: lp.fp8_block for lp in leaves if lp.fp8_block},
                        source_dtypes={lp.key: lp.source_dtypes for lp in leaves}, source=str(hf.resolve()),
-                       tool="ling-convert")
+                       tool="ling-convert", conversion={**fingerprint, "verified": verify})
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()
@@ -306,6 +310,54 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, *, dtype: str =
     shutil.rmtree(out / CONVERT_STATE, ignore_errors=True)
     if verify:
         open_checkpoint(out)  # the committed directory opens as a complete checkpoint
+    return out
+
+
+# what a fingerprint's fields say when they differ (the others are named with both values)
+_CHANGED = {"files": "the source's safetensors files changed (names, sizes or modification times)",
+            "config": "the source's config.json changed", "state_version": "another conversion format"}
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two conversion fingerprints, in words."""
+    return [_CHANGED.get(k) or f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
+def _reuse(out: Path, src: HFSource, fingerprint: dict[str, Any], leaves: list[LeafPlan], work: list[Work], *,
+           verify: bool, show: bool, say: Callable[[str], None]) -> Path:
+    """`out`, a committed checkpoint, when its manifest records this same conversion; else OutputExistsError.
+
+    Removes the conversion state a run killed between its commit and its cleanup left in `out`.
+    When `verify` and the recorded conversion was not verified, every element is read back and
+    compared with the source's (CRC32), then the record says verified.
+    """
+    manifest = json.loads((out / MANIFEST).read_text())
+    record = manifest.get("conversion")
+    if not isinstance(record, dict):
+        raise OutputExistsError(f"{out} already holds a checkpoint that records no conversion of an HF source "
+                                "(remove it or choose another output directory)")
+    recorded = {k: v for k, v in record.items() if k != "verified"}
+    if recorded != fingerprint:
+        raise OutputExistsError(f"{out} already holds a conversion of other inputs or options "
+                                f"({'; '.join(_differences(recorded, fingerprint))}): remove it or choose "
+                                "another output directory")
+    if (out / CONVERT_STATE).exists():
+        shutil.rmtree(out / CONVERT_STATE)
+        say(f"{out} was committed by an interrupted run of this conversion; removed its leftover state")
+    reader = CheckpointReader(open_checkpoint(out))
+    reader.check([lp.slot for lp in leaves])
+    if verify and not record.get("verified"):
+        expected = {w.log_key: (_crc(arr), _crc(scale)) for w in work for arr, scale in [_produce(src, w)]}
+        bad = _mismatches(reader, work, expected, show)
+        if bad:
+            raise CheckpointError(f"verify: {out}: {len(bad)} tensors read back with other bytes than the source "
+                                  f"gives (first: {bad[0].leaf.key}{list(bad[0].idx)} from {bad[0].name}); remove "
+                                  "it and convert again")
+        manifest["conversion"] = {**record, "verified": True}
+        write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        say(f"{out}: every tensor verified against the source")
+    say(f"{out} already holds this conversion; nothing written")
     return out
 
 
@@ -397,62 +449,15 @@ def _check_orbax_view(tmp: Path, leaves: list[LeafPlan]) -> None:
 
 
 # ----------------------------------------------------------------------------- command line
-def cpu_only() -> None:
-    """Host-side tools never need an accelerator: keep JAX (imported by orbax) off it."""
-    import os
-
-    if "JAX_PLATFORMS" not in os.environ:
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
-
-
-def limit_malloc_arenas(n: int = 2) -> None:
-    """Caps glibc's malloc arenas (process-wide, so only the command-line tools call it).
-
-    Tensorstore writes from many I/O threads; with glibc's default of up to 8 arenas per core,
-    each keeps freed tensor-sized blocks resident, and the peak RSS then grows with the number of
-    tensors (measured: 577 MB for a 1 GB model, 696 MB for 2.8 GB). With 2 arenas both peak within
-    365-456 MB, varying run to run with heap fragmentation (and 335-345 MB when glibc returns every
-    buffer over 1 MB to the OS, at ~1.6x the conversion time). No-op where `mallopt` is unavailable.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-8, n)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
-KNOWN_ERRORS = (CheckpointError, ConfigError, ValueError, OSError)
-
-
-def run_command(prog: str, job: Callable[[], Path], interrupted: str) -> int:
-    """Runs a checkpoint command's job on the CPU with capped malloc arenas: exit 0 and the output
-    path, or one error line and exit 1 (130 with `interrupted` on Ctrl-C)."""
-    cpu_only()
-    limit_malloc_arenas()
-    try:
-        out = job()
-    except KNOWN_ERRORS as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; {interrupted}", file=sys.stderr)
-        return 130
-    print(f"{prog}: wrote {out}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ling-convert",
         description="Convert an HF Ling-3 checkpoint (BF16 or block-FP8 safetensors) into a ling-jax Orbax "
                     "checkpoint, tensor by tensor, atomically and resumably.")
     parser.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, help="output checkpoint directory (must not exist or be empty)")
+    parser.add_argument("--out", required=True,
+                        help="output checkpoint directory: new or empty (the same command again: an interrupted "
+                             "conversion resumes, a complete one is left as it is)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="bfloat16: dequantize FP8 (float32 tensors stay float32); float8: keep FP8 weights "
                              "and their block scales; float32: every tensor in float32, FP8 dequantized "
@@ -461,9 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip reading every tensor back before committing")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    return run_command("ling-convert", lambda: convert_hf_to_orbax(
-        args.hf_dir, args.out, dtype=args.dtype, show_progress=not args.quiet, compress=args.compress,
-        verify=not args.no_verify), "run the same command again to resume")
+
+    def job() -> str:
+        hf, out = existing_dir("--hf-dir", args.hf_dir), Path(args.out)
+        complete = (out / MANIFEST).is_file()  # convert_hf_to_orbax returns it as it is, or refuses it
+        convert_hf_to_orbax(hf, out, dtype=args.dtype, show_progress=not args.quiet, compress=args.compress,
+                            verify=not args.no_verify)
+        return f"{out} already holds this conversion of {hf}: nothing to do" if complete else f"wrote {out}"
+
+    return run_command("ling-convert", job, "run the same command again to resume")
 
 
 if __name__ == "__main__":

@@ -33,35 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.checkpoint import fp8
+from ling_jax.checkpoint.layout import to_hf_layout
 from ling_jax.checkpoint.safetensors_io import SafetensorsDir, write_safetensors_stream
+from ling_jax.cli import OutputExistsError, UsageError, existing_dir, run_command
 from ling_jax.config import ConfigError, LingConfig, QuantConfig
 from ling_jax.params import Leaf, Params, ParamSlot, get_path, param_slots
 
 EXPORT_DTYPES = ("auto", "bfloat16", "float32", "float8")
-
-
-def transpose2d(x: np.ndarray, rows: int = 16) -> np.ndarray:
-    """`x.T` as a new C-contiguous array, copied `rows` source rows at a time.
-
-    Same bytes as `np.ascontiguousarray(x.T)`, 2-5x faster on large 1/2/4-byte matrices (numpy's
-    whole-array strided copy thrashes the cache on power-of-two shapes); copies raw bits, so it is
-    exact for bfloat16 / float8.
-    """
-    n, k = x.shape
-    bits = np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else x
-    out = np.empty((k, n), bits.dtype)
-    for i in range(0, n, rows):
-        out[:, i : i + rows] = bits[i : i + rows].T
-    return out.view(x.dtype)
-
-
-def to_hf_layout(arr: np.ndarray, leaf: Leaf) -> np.ndarray:
-    """One tensor from our layout to the checkpoint's."""
-    if leaf.transform == "T":
-        return transpose2d(arr)
-    if leaf.transform == "conv":
-        return arr.reshape(arr.shape[0], 1, arr.shape[1])
-    return np.ascontiguousarray(arr)
 
 
 def is_quantizable(name: str, leaf: Leaf, quant: QuantConfig | None) -> bool:
@@ -208,7 +186,7 @@ def write_hf_checkpoint(cfg: LingConfig, source: ElementSource, out_dir: str | P
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists (remove it or choose another output directory)")
+        raise OutputExistsError(f"{out} already exists (remove it or choose another output directory)")
     if quantization is not None and quantization.scale_fmt not in fp8.SCALE_FMTS:
         raise ConfigError(f"quantization_config.scale_fmt={quantization.scale_fmt!r}: only null or 'ue8m0' can "
                           "be written")
@@ -277,14 +255,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: str
     from ling_jax.checkpoint.orbax_io import CheckpointReader, open_checkpoint
 
     if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+        raise UsageError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
     ck = open_checkpoint(checkpoint)
     reader = CheckpointReader(ck)
     reader.check(param_slots(ck.cfg))
     quant = ck.cfg.quantization
     if dtype == "float8" and quant is None:
-        raise ConfigError(f"{ck.path}: its config has no quantization_config (block size, exclusions) to "
-                          "quantize with; export bfloat16, or add one to its config.json")
+        raise UsageError(f"{ck.path}: its config has no quantization_config (block size, exclusions) to "
+                         "quantize with; export bfloat16, or add one to its config.json")
     fp8_out = dtype == "float8" or (dtype == "auto" and quant is not None)
     return write_hf_checkpoint(ck.cfg, reader, out_dir, dtype="float32" if dtype == "float32" else "bfloat16",
                                quantization=quant if fp8_out else None, max_shard_bytes=max_shard_bytes,
@@ -316,11 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", type=parse_size, default="4GiB", help="per file (default: 4GiB)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from ling_jax.checkpoint.convert import run_command
 
-    return run_command("ling-export", lambda: export_checkpoint(
-        args.checkpoint, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-        show_progress=not args.quiet), "nothing was written at the output path")
+    def job() -> str:
+        out = export_checkpoint(existing_dir("--checkpoint", args.checkpoint), args.out, dtype=args.dtype,
+                                max_shard_bytes=args.max_shard_size, show_progress=not args.quiet)
+        return f"wrote {out}"
+
+    return run_command("ling-export", job, "nothing was written at the output path")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import tensorstore as ts
 
 from ling_jax.checkpoint.fp8 import BlockFP8, dequantize_jax
 from ling_jax.checkpoint.safetensors_io import CheckpointError
+from ling_jax.cli import OutputExistsError
 from ling_jax.config import LingConfig
 from ling_jax.params import Params, ParamSlot, build_tree, default_sharding, get_path, param_slots, set_path
 
@@ -388,7 +389,11 @@ def load_checkpoint(path: str | Path, *, dtype: Any = None, mesh: jax.sharding.M
 
 
 def write_manifest(directory: Path, *, stored: str, fp8_blocks: dict[str, tuple[int, int]],
-                   source_dtypes: dict[str, list[str]], source: str | None, tool: str) -> None:
+                   source_dtypes: dict[str, list[str]], source: str | None, tool: str,
+                   conversion: dict[str, Any] | None = None) -> None:
+    """Writes `ling_checkpoint.json` (last, atomically). `conversion`: the record of the conversion
+    that wrote the checkpoint (`ling-convert`'s fingerprint of its inputs and options, and whether
+    it was verified), which a re-run of that conversion recognises."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -399,6 +404,8 @@ def write_manifest(directory: Path, *, stored: str, fp8_blocks: dict[str, tuple[
                 "fp8_blocks": {k: list(v) for k, v in fp8_blocks.items()}, "source_dtypes": source_dtypes,
                 "source": source, "created_by": f"ling-jax {ver} {tool}",
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if conversion is not None:
+        manifest["conversion"] = conversion
     write_text_atomic(directory / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -410,7 +417,7 @@ def save_checkpoint(path: str | Path, cfg: LingConfig, params: Params) -> Path:
     """
     out = Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists")
+        raise OutputExistsError(f"{out} already exists")
     tmp = partial_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     values: dict[str, Any] = {}
