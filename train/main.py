@@ -1,6 +1,6 @@
 """`ling-train`: continued pretraining, from an HF or Orbax checkpoint or a random preset.
 
-    ling-train --init random:PRESET|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
+    ling-train --init random:PRESET|random:CONFIG.json|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
                --batch-size B --seq-len T [--lr LR] [--warmup-steps W] [--config FILE] [--tokenizer FILE] \\
                [--mesh AXIS=N,...]
 
@@ -30,7 +30,8 @@ from typing import Any
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ling-train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--init", required=True, help="random:PRESET, hf:DIR or orbax:DIR (ignored when resuming)")
+    ap.add_argument("--init", required=True, help="random:PRESET (a name in configs/), random:PATH.json (an HF "
+                    "config.json), hf:DIR or orbax:DIR (ignored when resuming)")
     ap.add_argument("--data", required=True, help=".bin/.npy token file, .txt/.jsonl text, or a directory of them")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, config.json)")
     ap.add_argument("--steps", type=int, required=True, help="total steps of the run (resumes up to it)")
@@ -51,19 +52,20 @@ def _fail(msg: str) -> int:
 
 
 def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, Any]:
-    """(config, float32 params) from random:PRESET (drawn with `seed`), hf:DIR or orbax:DIR."""
+    """(config, float32 params) from random:PRESET or random:PATH.json (an HF config.json; drawn with
+    `seed`), hf:DIR or orbax:DIR."""
     import ling_jax
     from ling_jax.params import init_params
 
     kind, _, arg = spec.partition(":")
     if kind == "random":
-        cfg = ling_jax.LingConfig.preset(arg)
+        cfg = ling_jax.LingConfig.from_hf(arg) if arg.endswith(".json") else ling_jax.LingConfig.preset(arg)
         return cfg, init_params(cfg, seed=seed, dtype=dtype, mesh=mesh)
     if kind == "hf":
         return ling_jax.load_hf_checkpoint(arg, dtype=dtype, mesh=mesh)
     if kind == "orbax":
         return ling_jax.load_checkpoint(arg, dtype=dtype, mesh=mesh)
-    raise ValueError(f"--init {spec!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+    raise ValueError(f"--init {spec!r}: expected random:PRESET, random:PATH.json, hf:DIR or orbax:DIR")
 
 
 def main(argv: list[str] | None = None) -> int:
