@@ -589,13 +589,29 @@ def test_packing_equals_documents_one_by_one(attention):
     assert np.abs(leaky[14:22] - per_tok[14:22]).max() > 1e-3
 
 
+def test_init_random_from_a_config_file(tmp_path, capsys):
+    """--init random:PATH.json draws the model of that config.json; a missing file is one error line."""
+    from train.main import init_model, main
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**LingConfig.preset("debug").to_hf(), "hidden_size": 32, "vocab_size": 300}))
+    cfg, params = init_model(f"random:{path}", "float32", None)
+    assert cfg == LingConfig.from_hf(path) and params["embed"].shape == (300, 32)
+    data = tmp_path / "d.bin"
+    corpus(5).tofile(data)
+    rc = main(["--init", f"random:{tmp_path / 'nope.json'}", "--data", str(data), "--out", str(tmp_path / "o"),
+               "--steps", "1", "--batch-size", "1", "--seq-len", "16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"no config.json at {tmp_path / 'nope.json'}" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("case, msg, code", [
     ("missing", "--data {tmp}/d.bin: no such file", 2), ("empty", "corpus is empty", 1),
     ("vocab", "token id 9999 at position 3", 1), ("seqlen", "exceeds the model's max_position_embeddings", 2),
     ("batch", "fewer than one batch of 1000", 2), ("mesh", "--mesh: 'dta=2' is not axis=size", 2),
     ("config", "c.json: not valid JSON (Expecting value", 2), ("yaml", "c.yaml: not valid YAML (while parsing", 2),
     ("list", "c.json: expected a mapping of options, got list", 2),
-    ("init", "--init 'hf/x': expected random:PRESET, hf:DIR or orbax:DIR", 2),
+    ("init", "--init 'hf/x': expected random:PRESET, random:PATH.json, hf:DIR or orbax:DIR", 2),
     ("preset", "--init random:nope: unknown preset 'nope'", 2), ("init_dir", "--init {tmp}/none: no such directory", 2),
     ("init_file", "--init {tmp}/d.bin: not a directory", 2), ("tokenizer", "--tokenizer {tmp}/t.json: no such file", 2),
     ("out_file", "--out {tmp}/o: a file, not a run directory", 2), ("not_checkpoint", "no config.json at", 1),

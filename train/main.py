@@ -1,6 +1,6 @@
 """`ling-train`: continued pretraining, from an HF or Orbax checkpoint or a random preset.
 
-    ling-train --init random:PRESET|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
+    ling-train --init random:PRESET|random:CONFIG.json|hf:DIR|orbax:DIR --data PATH --out DIR --steps N \\
                --batch-size B --seq-len T [--lr LR] [--warmup-steps W] [--config FILE] [--tokenizer FILE] \\
                [--mesh AXIS=N,...]
 
@@ -48,7 +48,8 @@ PROG = "ling-train"
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--init", required=True, help="random:PRESET, hf:DIR or orbax:DIR (ignored when resuming)")
+    ap.add_argument("--init", required=True, help="random:PRESET (a name in configs/), random:PATH.json (an HF "
+                    "config.json), hf:DIR or orbax:DIR (ignored when resuming)")
     ap.add_argument("--data", required=True, help=".bin/.npy token file, .txt/.jsonl text, or a directory of them")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl, config.json)")
     ap.add_argument("--steps", type=int, required=True, help="total steps of the run (resumes up to it)")
@@ -64,19 +65,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def init_model(spec: str, dtype: str, mesh: Any, seed: int = 0) -> tuple[Any, Any]:
-    """(config, float32 params) from random:PRESET (drawn with `seed`), hf:DIR or orbax:DIR."""
+    """(config, float32 params) from random:PRESET or random:PATH.json (an HF config.json; drawn with
+    `seed`), hf:DIR or orbax:DIR."""
     import ling_jax
     from ling_jax.params import init_params
 
     kind, _, arg = spec.partition(":")
     if kind == "random":
-        cfg = ling_jax.LingConfig.preset(arg)
+        cfg = ling_jax.LingConfig.from_hf(arg) if arg.endswith(".json") else ling_jax.LingConfig.preset(arg)
         return cfg, init_params(cfg, seed=seed, dtype=dtype, mesh=mesh)
     if kind == "hf":
         return ling_jax.load_hf_checkpoint(arg, dtype=dtype, mesh=mesh)
     if kind == "orbax":
         return ling_jax.load_checkpoint(arg, dtype=dtype, mesh=mesh)
-    raise UsageError(f"--init {spec!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+    raise UsageError(f"--init {spec!r}: expected random:PRESET, random:PATH.json, hf:DIR or orbax:DIR")
 
 
 def check_command_line(args: argparse.Namespace) -> None:
@@ -100,11 +102,11 @@ def check_command_line(args: argparse.Namespace) -> None:
         existing_dir("--init", arg)
     elif kind == "random":
         try:
-            LingConfig.preset(arg)
+            LingConfig.from_hf(arg) if arg.endswith(".json") else LingConfig.preset(arg)
         except ConfigError as e:
             raise UsageError(f"--init {args.init}: {e}") from None
     else:
-        raise UsageError(f"--init {args.init!r}: expected random:PRESET, hf:DIR or orbax:DIR")
+        raise UsageError(f"--init {args.init!r}: expected random:PRESET, random:PATH.json, hf:DIR or orbax:DIR")
 
 
 def main(argv: list[str] | None = None) -> int:
