@@ -18,12 +18,17 @@ timed alone by `bench/decode_kernels.py`): 47 us at batch 1 / 32k against 990 us
 BENCHMARKS.md). GSPMD cannot split the kernel: under a multi-device mesh
 `layers.mla` runs it per shard (`sharding.per_shard`: rows over the token axes, as the cache is
 laid out, heads over tensor).
+
+`latent_attention_paged_pallas` is the same kernel over a paged cache (the serving engine's pool of
+fixed-size pages shared by all sequences, `ops.mla_decode.latent_attention_paged`): each block is
+read from the page the row's page table names, the pool passed whole.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +43,8 @@ NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, nev
 
 
 def supported(rank: int, rope: int, slots: int) -> bool:
-    """Whether the kernel handles a latent of `rank` + `rope` and a cache of `slots` rows."""
+    """Whether the kernel handles a latent of `rank` + `rope` and a cache of `slots` rows per sequence
+    (or, for `latent_attention_paged_pallas`, a pool of `slots`-row pages)."""
     return is_pow2(rank) and is_pow2(rope) and slots % BK == 0
 
 
@@ -60,10 +66,18 @@ def _scores(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.sum(a.astype(jnp.float32)[:, None, :] * b.astype(jnp.float32)[None, :, :], axis=-1)
 
 
-def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_ref, *, rank: int, rope: int,
-            scale: float):
+def _kernel(*refs: Any, rank: int, rope: int, scale: float, page_size: int | None):
+    """One (row, head block, split) program. Contiguous (`page_size` None): refs are (lengths, span,
+    layer, q, cache [L, B, S, W], m, l, acc). Paged: (lengths, span, layer, page_table [B, N], q,
+    pool [L, P, K, W], m, l, acc), the block of slots [pos, pos + BK) of row b read from page
+    page_table[b, pos // K] at offset pos % K (K a multiple of BK and pos of BK, so a block never
+    straddles two pages, and only the row's used pages are looked up)."""
+    if page_size is None:
+        len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        len_ref, span_ref, layer_ref, table_ref, q_ref, cache_ref, m_ref, l_ref, acc_ref = refs
     b, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    lay = layer_ref[0]  # the layer's index in the cache stack [L, B, S, W]
+    lay = layer_ref[0]  # the layer's index in the stack [L, B, S, W] or [L, P, K, W]
     span = span_ref[0]
     start = sp * span
     stop = jnp.minimum(start + span, len_ref[b])
@@ -75,9 +89,13 @@ def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_re
     def body(i, carry):
         m, l, acc = carry
         pos = start + i * BK
+        if page_size is None:
+            seq, slots = b, pl.ds(pos, BK)
+        else:
+            seq, slots = table_ref[b, jax.lax.div(pos, page_size)], pl.ds(jax.lax.rem(pos, page_size), BK)
         rows = pos + jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)  # [BK, 1]
-        c_lat = jnp.where(rows < stop, cache_ref[lay, b, pl.ds(pos, BK), pl.ds(0, rank)], 0)  # [BK, r]; rows past
-        c_rot = cache_ref[lay, b, pl.ds(pos, BK), pl.ds(rank, rope)]  # the length zeroed: stale slots never count
+        c_lat = jnp.where(rows < stop, cache_ref[lay, seq, slots, pl.ds(0, rank)], 0)  # [BK, r]; rows past
+        c_rot = cache_ref[lay, seq, slots, pl.ds(rank, rope)]  # the length zeroed: stale slots never count
         s = (_scores(q_lat, c_lat) + _scores(q_rot, c_rot)) * scale  # [BH, BK]
         s = jnp.where((pos + jax.lax.broadcasted_iota(jnp.int32, (1, BK), 1)) < stop, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -94,43 +112,36 @@ def _kernel(len_ref, span_ref, layer_ref, q_ref, cache_ref, m_ref, l_ref, acc_re
     acc_ref[...] = acc
 
 
-def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
-                            rank: int, scale: float, layer: jax.Array | int | None = None,
-                            interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
-    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel,
-    the cache split so that about `launch.latent_programs` programs run.
-
-    With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
-    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
-    if layer is None:
-        cache_LBSW, layer = cache_BSW[None], 0
-    else:
-        cache_LBSW = cache_BSW
+def _split_k(q_BHW: jax.Array, store_L_W: jax.Array, table_BN: jax.Array | None, lengths_B: jax.Array,
+             new_BW: jax.Array, *, layer: jax.Array | int, slots: int, rank: int, scale: float,
+             interpret: bool | None, launch: Launch) -> jax.Array:
+    """Launches `_kernel` over a cache stack [L, B, S, W] (`table_BN` None, `slots` = S) or a pool stack
+    [L, P, K, W] read through `table_BN` [B, N] (`slots` = N·K), then merges the splits with the new
+    row: [B, H, r] float32."""
     layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
-    b, h, w = q_BHW.shape
-    s = cache_LBSW.shape[2]
-    rope = w - rank
-    if not supported(rank, rope, s):
-        raise ValueError(f"latent_attention_pallas: rank={rank}, rope={rope} must be powers of two and "
-                         f"the cache's {s} slots a multiple of {BK}")
+    b, h, _ = q_BHW.shape
+    rope = store_L_W.shape[-1] - rank
     hp = -(-h // BH) * BH
-    q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(cache_LBSW.dtype)  # zero heads: sliced off below
+    q = jnp.pad(q_BHW, ((0, 0), (0, hp - h), (0, 0))).astype(store_L_W.dtype)  # zero heads: sliced off below
     n_hb = hp // BH
-    n_sp = _splits(b, n_hb, s // BK, launch.latent_programs)
+    n_sp = _splits(b, n_hb, slots // BK, launch.latent_programs)
     used_blocks = (jnp.max(lengths_B) + BK - 1) // BK
     span = (((used_blocks + n_sp - 1) // n_sp) * BK).astype(jnp.int32).reshape(1)  # slots per split, run time
     lengths_B = lengths_B.astype(jnp.int32)
+    table = () if table_BN is None else (table_BN.astype(jnp.int32),)
+    operands = (lengths_B, span, layer_1, *table, q, store_L_W)
     part = pl.BlockSpec((None, None, None, BH), lambda bi, hi, si: (bi, si, hi, 0))
     m_bsh, l_bsh, acc = triton_call(
-        functools.partial(_kernel, rank=rank, rope=rope, scale=scale),
+        functools.partial(_kernel, rank=rank, rope=rope, scale=scale,
+                          page_size=None if table_BN is None else store_L_W.shape[2]),
         out_shape=[jax.ShapeDtypeStruct((b, n_sp, n_hb, BH), jnp.float32)] * 2
         + [jax.ShapeDtypeStruct((b, n_sp, n_hb, BH, rank), jnp.float32)],
         grid=(b, n_hb, n_sp),
-        in_specs=[whole(a) for a in (lengths_B, span, layer_1, q, cache_LBSW)],
+        in_specs=[whole(a) for a in operands],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
-        name="latent_attention",
+        name="latent_attention" if table_BN is None else "latent_attention_paged",
         interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )(lengths_B, span, layer_1, q, cache_LBSW)
+    )(*operands)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]
     acc_BSHR = acc.reshape(b, n_sp, hp, rank)[:, :, :h]
@@ -143,3 +154,56 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
     acc_BHR = w_new_BH[..., None] * new_BW[:, None, :rank].astype(jnp.float32) + jnp.einsum(
         "bsh,bshr->bhr", w_BSH, acc_BSHR)
     return acc_BHR / l_BH[..., None]
+
+
+def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: jax.Array, new_BW: jax.Array, *,
+                            rank: int, scale: float, layer: jax.Array | int | None = None,
+                            interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
+    """`ops.mla_decode.latent_attention` (same arguments and result, [B, H, r] float32) in one kernel,
+    the cache split so that about `launch.latent_programs` programs run.
+
+    With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
+    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
+    cache_LBSW = cache_BSW[None] if layer is None else cache_BSW
+    s = cache_LBSW.shape[2]
+    rope = q_BHW.shape[-1] - rank
+    if not supported(rank, rope, s):
+        raise ValueError(f"latent_attention_pallas: rank={rank}, rope={rope} must be powers of two and "
+                         f"the cache's {s} slots a multiple of {BK}")
+    return _split_k(q_BHW, cache_LBSW, None, lengths_B, new_BW, layer=0 if layer is None else layer, slots=s,
+                    rank=rank, scale=scale, interpret=interpret, launch=launch)
+
+
+def latent_attention_paged_pallas(q_BHW: jax.Array, pool_PKW: jax.Array, page_table_BN: jax.Array,
+                                  lengths_B: jax.Array, new_BW: jax.Array, *, rank: int, scale: float,
+                                  layer: jax.Array | int | None = None, interpret: bool | None = None,
+                                  launch: Launch = DEFAULT_LAUNCH) -> jax.Array:
+    """`ops.mla_decode.latent_attention_paged` (same arguments and result, [B, H, r] float32) in one
+    kernel: the split-K walk of `latent_attention_pallas`, each block of BK slots read from the page
+    the table names (a scalar load from the table per block), the pool passed whole, never copied.
+
+    pool: [P, K, r + d_r], or with `layer` (an int or traced int32 scalar) a stack [L, P, K, r + d_r]
+    read in place at that layer; K a multiple of BK, rank and rope powers of two (`supported(rank,
+    rope, K)`), else ValueError. page_table: [B, N] integer page indices, lengths[b] <= N·K. Each row's
+    program reads only its first ceil(lengths[b] / K) table entries and pages (the rest of the table
+    may hold anything, out-of-range indices included); rows of its last page at or past lengths[b]
+    may hold anything too (their latents are zeroed, their scores masked). Rows may share pages. The
+    cache is split as if each row held N·K slots, so about `launch.latent_programs` programs run."""
+    pool_LPKW = pool_PKW[None] if layer is None else pool_PKW
+    name = "latent_attention_paged_pallas"
+    if pool_LPKW.ndim != 4:
+        want = "[L, P, K, W] with `layer`" if layer is not None else "[P, K, W]"
+        raise ValueError(f"{name}: pool must be {want}, got shape {pool_PKW.shape}")
+    b = q_BHW.shape[0]
+    if page_table_BN.ndim != 2 or page_table_BN.shape[0] != b:
+        raise ValueError(f"{name}: page_table must be [B={b}, max_pages], got shape {page_table_BN.shape}")
+    page_size = pool_LPKW.shape[2]
+    rope = q_BHW.shape[-1] - rank
+    if not (is_pow2(rank) and is_pow2(rope)):
+        raise ValueError(f"{name}: rank={rank}, rope={rope} must be powers of two")
+    if not supported(rank, rope, page_size):
+        raise ValueError(f"{name}: page_size {page_size} must be a multiple of the kernel's block of {BK} slots "
+                         "(so that no block straddles two pages)")
+    return _split_k(q_BHW, pool_LPKW, page_table_BN, lengths_B, new_BW, layer=0 if layer is None else layer,
+                    slots=page_table_BN.shape[1] * page_size, rank=rank, scale=scale, interpret=interpret,
+                    launch=launch)
