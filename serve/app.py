@@ -41,7 +41,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -242,6 +242,19 @@ def _usage(prompts: Sequence[Sequence[int]], choices: Sequence[_Choice]) -> dict
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _chunker(head: dict[str, Any], usage_opt: bool) -> Callable[..., str]:
+    """chunk(choices, **extra) -> one SSE event: `head` (id, object, created, model), the choices, and
+    `usage` (null unless given in extra) where the request asked for usage in its stream."""
+
+    def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
+        obj = {**head, "choices": choice_list, **extra}
+        if usage_opt:
+            obj.setdefault("usage", None)
+        return _sse(obj)
+
+    return chunk
 
 
 class _SSEResponse(StreamingResponse):
@@ -466,13 +479,7 @@ def create_app(engine: Any, *, codec: TextCodec | None = None, model_name: str =
                                  "usage": _usage([ids for ids, _ in prompts], choices)})
 
         usage_opt = body.stream_options is not None and body.stream_options.include_usage
-
-        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            obj = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                   "choices": choice_list, **extra}
-            if usage_opt:
-                obj.setdefault("usage", None)
-            return _sse(obj)
+        chunk = _chunker({"id": rid, "object": "text_completion", "created": created, "model": model_name}, usage_opt)
 
         async def events() -> AsyncIterator[str]:
             started = [False] * len(choices)
@@ -547,13 +554,8 @@ def create_app(engine: Any, *, codec: TextCodec | None = None, model_name: str =
             return JSONResponse(obj)
 
         usage_opt = body.stream_options is not None and body.stream_options.include_usage
-
-        def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
-            obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                   "choices": choice_list, **extra}
-            if usage_opt:
-                obj.setdefault("usage", None)
-            return _sse(obj)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+        chunk = _chunker(head, usage_opt)
 
         async def events() -> AsyncIterator[str]:
             first = {"prompt_token_ids": ids} if body.return_token_ids else {}
