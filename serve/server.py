@@ -168,9 +168,14 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     from serve.generate import load_any
 
     try:
+        engine_cls = engine_cls or _default_engine()
+    except ImportError as e:
+        sock.close()
+        return _fail(f"the serving engine cannot be imported: {e}", 1)
+    try:
         mesh = ling_jax.make_mesh(**sizes) if sizes else None
         cfg, params = load_any(path, args.dtype, args.fp8_weights, mesh)
-        engine = (engine_cls or _default_engine())(
+        engine = engine_cls(
             cfg, params, max_batch=args.max_batch, max_len=args.max_len, page_size=args.page_size, mesh=mesh,
             speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache,
             prefix_cache_gb=args.prefix_cache_gb, max_waiting=args.max_waiting)

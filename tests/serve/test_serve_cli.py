@@ -20,6 +20,7 @@ from ling_jax.config import LingConfig
 from ling_jax.params import init_params
 from serve.server import main
 from tests.conftest import SUBPROCESS_CACHE
+from tests.serve.fake_engine import FakeEngine
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -60,7 +61,7 @@ def test_usage_errors_exit_2_with_one_line(checkpoint, capsys, args, msg):
     assert msg in err and err.count("\n") == 1 and err.startswith("ling-serve: ")
 
 
-def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys):
+def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -68,14 +69,22 @@ def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot listen on 127.0.0.1:" in err and err.count("\n") == 1
     (tmp_path / "empty").mkdir()
-    assert main(["--checkpoint", str(tmp_path / "empty"), "--port", "0"]) == 1
+    assert main(["--checkpoint", str(tmp_path / "empty"), "--port", "0"], engine_cls=FakeEngine) == 1
     err = capsys.readouterr().err
     assert str(tmp_path / "empty") in err and err.count("\n") == 1
+
+    def broken():
+        raise ImportError("no module named 'x'")
+
+    monkeypatch.setattr("serve.server._default_engine", broken)
+    assert main(["--checkpoint", str(checkpoint), "--port", "0"]) == 1
+    assert capsys.readouterr().err == "ling-serve: the serving engine cannot be imported: no module named 'x'\n"
 
 
 SERVE_WITH_DOUBLE = """
 import functools, sys
 from serve.server import main
+from tests.serve.fake_engine import FakeEngine
 from tests.serve.fake_engine import FakeEngine
 sys.exit(main(sys.argv[1:], engine_cls=functools.partial(FakeEngine, token_delay=0.25)))
 """
