@@ -68,11 +68,16 @@ def codec(tokenizer_dir) -> TextCodec:
     return TextCodec.from_files(tokenizer_dir / "tokenizer.json")
 
 
+def engine_factory(token_delay: float = 0.0) -> Any:
+    """The class under test as `(config, params, **options) -> engine` (`token_delay`: the double's
+    pause before each token; a real engine runs at its own pace)."""
+    return functools.partial(ENGINE, token_delay=token_delay) if ENGINE is FakeEngine else ENGINE
+
+
 def make_engine(model: tuple[LingConfig, Any], *, token_delay: float = 0.0, **kw: Any) -> Any:
-    """A started engine of the class under test (`token_delay`: the double's pause before each token)."""
+    """A started engine of the class under test."""
     cfg, params = model
-    cls = functools.partial(ENGINE, token_delay=token_delay) if ENGINE is FakeEngine else ENGINE
-    engine = cls(cfg, params, **kw)
+    engine = engine_factory(token_delay)(cfg, params, **kw)
     engine.start()
     return engine
 

@@ -20,7 +20,7 @@ from ling_jax.config import LingConfig
 from ling_jax.params import init_params
 from serve.server import main
 from tests.conftest import SUBPROCESS_CACHE
-from tests.serve.fake_engine import FakeEngine
+from tests.serve.conftest import engine_factory
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -69,7 +69,7 @@ def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert "cannot listen on 127.0.0.1:" in err and err.count("\n") == 1
     (tmp_path / "empty").mkdir()
-    assert main(["--checkpoint", str(tmp_path / "empty"), "--port", "0"], engine_cls=FakeEngine) == 1
+    assert main(["--checkpoint", str(tmp_path / "empty"), "--port", "0"], engine_cls=engine_factory()) == 1
     err = capsys.readouterr().err
     assert str(tmp_path / "empty") in err and err.count("\n") == 1
 
@@ -81,21 +81,20 @@ def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monke
     assert capsys.readouterr().err == "ling-serve: the serving engine cannot be imported: no module named 'x'\n"
 
 
-SERVE_WITH_DOUBLE = """
-import functools, sys
+SERVE_UNDER_TEST = """
+import sys
 from serve.server import main
-from tests.serve.fake_engine import FakeEngine
-from tests.serve.fake_engine import FakeEngine
-sys.exit(main(sys.argv[1:], engine_cls=functools.partial(FakeEngine, token_delay=0.25)))
+from tests.serve.conftest import engine_factory
+sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
 """
 
 
 @pytest.mark.heavy  # a fresh process compiles the model: ~10 s on 2 cores
 def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir):
-    """The real command (engine: the test double, tokens 0.25 s apart) under SIGTERM mid-stream."""
+    """The real command (the engine under test; the double: tokens 0.25 s apart) under SIGTERM mid-stream."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "LING_API_KEY": "k"}
-    cmd = [sys.executable, "-c", SERVE_WITH_DOUBLE, "--checkpoint", str(checkpoint), "--tokenizer",
+    cmd = [sys.executable, "-c", SERVE_UNDER_TEST, "--checkpoint", str(checkpoint), "--tokenizer",
            str(tokenizer_dir / "tokenizer.json"), "--port", "0", "--dtype", "float32", "--served-model-name", "tiny",
            "--shutdown-grace", "30"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
