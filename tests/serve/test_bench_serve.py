@@ -8,7 +8,9 @@ import json
 import pytest
 
 from bench.serve import main, make_requests
-from tests.serve.conftest import ENGINE, make_engine, serve
+from tests.serve.harness import ENGINE, make_engine, serve
+
+pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
 
 def test_in_process_engine_against_static(tmp_path):

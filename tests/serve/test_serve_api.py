@@ -1,4 +1,4 @@
-"""ling-serve's HTTP API against the engine under test (conftest.ENGINE), driven by the `openai`
+"""ling-serve's HTTP API against the engine under test (tests/serve/harness.py: ENGINE), driven by the `openai`
 client and raw HTTP: completions, chat, streaming, logprobs / echo (lm-evaluation-harness's
 scoring request), return_token_ids, stop strings, errors, the API key, disconnects, draining,
 metrics."""
@@ -18,7 +18,9 @@ import pytest
 
 import ling_jax
 from serve.server import drain
-from tests.serve.conftest import CHAT_TEMPLATE, make_engine, serve
+from tests.serve.harness import CHAT_TEMPLATE, make_engine, serve
+
+pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
 PROMPT = [5, 17, 42, 99, 7]
 

@@ -20,7 +20,9 @@ from ling_jax.config import LingConfig
 from ling_jax.params import init_params
 from serve.server import main
 from tests.conftest import SUBPROCESS_CACHE
-from tests.serve.conftest import engine_factory
+from tests.serve.harness import engine_factory
+
+pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -84,7 +86,7 @@ def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monke
 SERVE_UNDER_TEST = """
 import sys
 from serve.server import main
-from tests.serve.conftest import engine_factory
+from tests.serve.harness import engine_factory
 sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
 """
 

@@ -9,7 +9,9 @@ import shutil
 import pytest
 
 from serve.text import ChatTemplateError, OutputText, TextCodec
-from tests.serve.conftest import CHAT_TEMPLATE
+from tests.serve.harness import CHAT_TEMPLATE
+
+pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
 
 def stream(out: OutputText, ids: list[int]) -> list[str]:
