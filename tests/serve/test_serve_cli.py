@@ -1,0 +1,134 @@
+"""The `ling-serve` command: --help without JAX, one-line usage (2) and runtime (1) errors, and a
+real process that drains on SIGTERM (in-flight request finished, new ones 503) and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ling_jax.checkpoint.export import save_hf_checkpoint
+from ling_jax.config import LingConfig
+from ling_jax.params import init_params
+from serve.server import main
+from tests.conftest import SUBPROCESS_CACHE
+from tests.serve.harness import engine_factory
+
+pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    cfg = LingConfig.preset("debug")
+    path = tmp_path_factory.mktemp("serve") / "tiny"
+    save_hf_checkpoint(cfg, init_params(cfg, seed=0), path, dtype="float32")
+    return path
+
+
+def test_help_does_not_import_jax():
+    code = ("import sys\nfrom serve.server import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nassert 'jax' not in sys.modules, 'jax imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--checkpoint" in proc.stdout and "--api-key" in proc.stdout and "--shutdown-grace" in proc.stdout
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--checkpoint", "/nonexistent"], "no such directory"),
+    (["--checkpoint", __file__], "not a directory"),
+    (["--port", "70000"], "--port 70000: must be <= 65535"),
+    (["--max-batch", "0"], "--max-batch 0: must be >= 1"),
+    (["--max-len", "1"], "--max-len 1: must be >= 2"),
+    (["--prefix-cache-gb", "0"], "--prefix-cache-gb 0.0: must be > 0"),
+    (["--shutdown-grace", "nan"], "--shutdown-grace nan"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--tokenizer", "/nonexistent/tokenizer.json"], "not a readable tokenizer.json"),
+    (["--mesh", "expert=x"], "--mesh: 'expert=x'"),
+])
+def test_usage_errors_exit_2_with_one_line(checkpoint, capsys, args, msg):
+    if "--checkpoint" not in args:
+        args = ["--checkpoint", str(checkpoint), *args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and err.startswith("ling-serve: ")
+
+
+def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["--checkpoint", str(checkpoint), "--port", str(taken.getsockname()[1])]) == 1
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1:" in err and err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    assert main(["--checkpoint", str(tmp_path / "empty"), "--port", "0"], engine_cls=engine_factory()) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "empty") in err and err.count("\n") == 1
+
+    def broken():
+        raise ImportError("no module named 'x'")
+
+    monkeypatch.setattr("serve.server._default_engine", broken)
+    assert main(["--checkpoint", str(checkpoint), "--port", "0"]) == 1
+    assert capsys.readouterr().err == "ling-serve: the serving engine cannot be imported: no module named 'x'\n"
+
+
+SERVE_UNDER_TEST = """
+import sys
+from serve.server import main
+from tests.serve.harness import engine_factory
+sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
+"""
+
+
+@pytest.mark.heavy  # a fresh process compiles the model: ~10 s on 2 cores
+def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir):
+    """The real command (the engine under test; the double: tokens 0.25 s apart) under SIGTERM mid-stream."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "LING_API_KEY": "k"}
+    cmd = [sys.executable, "-c", SERVE_UNDER_TEST, "--checkpoint", str(checkpoint), "--tokenizer",
+           str(tokenizer_dir / "tokenizer.json"), "--port", "0", "--dtype", "float32", "--served-model-name", "tiny",
+           "--shutdown-grace", "30"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ling-serve: serving tiny on http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split()[-1]
+        auth = {"Authorization": "Bearer k"}  # the key from $LING_API_KEY
+        assert httpx.get(url + "/v1/models").status_code == 401
+        events, first = [], threading.Event()
+
+        def stream():
+            body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "stream": True, "return_token_ids": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=120) as r:
+                for chunk in r.iter_lines():
+                    if chunk.startswith("data: {"):
+                        events.append(json.loads(chunk[6:]))
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(120), proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        assert "ling-serve: draining" in next(x for x in proc.stdout if x.startswith("ling-serve: "))
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers=auth)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+        t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert len([i for e in events for i in e["choices"][0]["token_ids"]]) == 8
+        assert [x for x in proc.stdout.read().splitlines() if x.startswith("ling-serve: ")] == ["ling-serve: stopped"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
