@@ -5,7 +5,7 @@
     python3 bench/decode.py --batches 1 --contexts 1024 --profile /tmp/trace --out ...   # + kernel table
 
 A Ling-3.0-tiny-shaped model (all 24 layers, random bf16 weights generated on the device) decodes
-`--steps` tokens per row with `ling_jax.generate.decode_loop` (one `lax.while_loop`, greedy) at
+`--steps` tokens per row with `ling_jax.decode.decode_loop` (one `lax.while_loop`, greedy) at
 each batch size and context length. Caches are allocated once per batch size for the longest
 context and filled with random latents/states up to the context length (prefill is not timed):
 the decode attention walks only the used blocks, so the short context shares the allocation.
@@ -25,25 +25,20 @@ linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(k
 returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
 every configuration and prints where the device time goes (`bench/device_profile.py`).
 
-`--variant NAME:MODULE.ATTR=VALUE,...` (repeatable) times the same configurations again with
-module constants patched (a kernel's tiles, say), after the committed setting, in the same
-process: the params are built once and every variant meets the same device state, so the
-comparison is not blurred by the spread between device calls.
+`--variant NAME:FIELD=VALUE,...` (repeatable) times the same configurations again with the tuned
+constants overridden (`ling_jax.kernels.tuned`: e.g. `gemv_programs=132,prefetch_shared=False`),
+after the table's setting, in the same process: the params are built once and every variant meets
+the same device state, so the comparison is not blurred by the spread between device calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
-import importlib
-import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +50,8 @@ from bench.common import copy_bandwidth, machine, random_fp8_params, random_para
 from bench.device_profile import device_profile, print_profile
 from ling_jax.cache import cache_shapes
 from ling_jax.config import LingConfig
-from ling_jax.generate import decode_loop
+from ling_jax.decode import decode_loop
+from ling_jax.kernels import tuned
 from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
 
 
@@ -100,34 +96,20 @@ def random_cache(cfg: LingConfig, batch: int, slots: int, ctx: int, dtype) -> di
     return make(jax.random.key(ctx))
 
 
-def parse_variant(spec: str) -> tuple[str, dict[tuple[str, str], object]]:
-    """'NAME:pkg.module.ATTR=VALUE,...' -> (NAME, {(module, ATTR): VALUE}); VALUE a Python literal."""
+def parse_variant(spec: str) -> tuple[str, dict[str, object]]:
+    """'NAME:FIELD=VALUE,...' -> (NAME, {FIELD: VALUE}): fields of `ling_jax.kernels.Tuning` or of its
+    `Launch` (`ling_jax.kernels.tuned` checks the names); VALUE a Python literal."""
     name, sep, body = spec.partition(":")
-    # split at the commas that start the next module.ATTR= (a VALUE may hold commas: a tuple)
-    items = [item.partition("=") for item in re.split(r",(?=\s*[\w.]+\.\w+\s*=)", body) if item.strip()]
-    if not (name and sep and items and all(eq and "." in target for target, eq, _ in items)):
-        raise SystemExit(f"--variant {spec!r}: expected NAME:module.ATTR=VALUE[,module.ATTR=VALUE...]")
-    patches = {}
-    for target, _, value in items:
-        module, _, attr = target.strip().rpartition(".")
-        if not hasattr(importlib.import_module(module), attr):
-            raise SystemExit(f"--variant {spec!r}: {module} has no attribute {attr}")
-        patches[module, attr] = ast.literal_eval(value.strip())
-    return name, patches
-
-
-@contextlib.contextmanager
-def patched(patches: dict[tuple[str, str], object]) -> Iterator[None]:
-    """The module constants set for one variant, with jit caches cleared on entry and exit (a constant
-    is read when a function is traced)."""
-    with contextlib.ExitStack() as stack:
-        for (module, attr), value in patches.items():
-            stack.enter_context(mock.patch.object(importlib.import_module(module), attr, value))
-        jax.clear_caches()
-        try:
-            yield
-        finally:
-            jax.clear_caches()
+    items = [item.partition("=") for item in body.split(",") if item.strip()]
+    if not (name and sep and items and all(eq for _, eq, _ in items)):
+        raise SystemExit(f"--variant {spec!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...]")
+    fields = {field.strip(): ast.literal_eval(value.strip()) for field, _, value in items}
+    try:
+        with tuned(**fields):
+            pass
+    except ValueError as e:
+        raise SystemExit(f"--variant {spec!r}: {e}") from None
+    return name, fields
 
 
 def measure(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Namespace, bw: float,
@@ -187,11 +169,11 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="trace each configuration and print its kernel table")
     ap.add_argument("--profile-sequence", type=int, default=0, metavar="N",
                     help="with --profile: also keep the first N kernels of a traced call in launch order")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.ATTR=VALUE,...",
-                    help="also time every configuration with these module constants patched (module doc)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                    help="also time every configuration with these tuned constants (module doc)")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
-    variants = [("committed", {})] + [parse_variant(v) for v in args.variant]
+    variants = [("tuned", {})] + [parse_variant(v) for v in args.variant]
     if args.smoke:
         args.preset, args.batches, args.contexts, args.steps, args.reps = "debug", [1, 4], [64, 300], 4, 1
     cfg = LingConfig.preset(args.preset, moe_impl=args.moe_impl, decode_impl=args.decode_impl)
@@ -207,7 +189,7 @@ def main() -> None:
           f"{sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9:.2f} GB "
           f"in {time.perf_counter() - t0:.1f} s", flush=True)
     for name, patches in variants:
-        with patched(patches):
+        with tuned(**patches):
             for b in args.batches:
                 for ctx in args.contexts:
                     result["runs"].append(run := measure(cfg, params, b, ctx, args, bw, name))

@@ -21,20 +21,21 @@ kernel around the op (split merges, partial sums) is counted. Ops:
 Reported: us per instance, GB/s of the bytes the op must read (and write, for the state),
 and the relative L2 difference of the two implementations' outputs on the device.
 
-`--sweep` times the Pallas kernels alone over their tile/launch constants (`SWEEPS`: module
-attributes patched for the run; the first variant of each is the committed setting).
+`--sweep` times the Pallas kernels alone over their tuned launch constants (`SWEEPS`: fields of
+`ops.pallas_gpu.Launch`, the values `ling_jax.kernels.TUNED` holds; the first variant of each is
+the table's default).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -45,25 +46,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine, median_time, rel_l2, write_json
 from ling_jax.cache import LATENT_BLOCK
 from ling_jax.config import LingConfig
+from ling_jax.kernels import DEFAULT_TUNING
 from ling_jax.ops import expert_gemv
-from ling_jax.ops import latent_attention_pallas as latent_kernel
-from ling_jax.ops.kda import decode as kda_decode
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
 from ling_jax.ops.layer_gemv import WeightStack, linear
 from ling_jax.ops.mla_decode import latent_attention
-from ling_jax.ops.moe import GATHER_MAX_COPIES, routed_experts
+from ling_jax.ops.moe import routed_experts
+from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch
 
-GEMV_SWEEP = [dict(MAX_BC=bc, MAX_BO=bo, NUM_WARPS=w) for (bc, bo), w in itertools.product(
-    ((64, 128), (32, 128), (64, 256), (128, 128), (128, 64)), (4, 8))][:8]
-SWEEPS: dict[str, tuple[ModuleType, list[dict[str, int]]]] = {
-    "moe": (expert_gemv, GEMV_SWEEP),
-    "proj_in": (expert_gemv, GEMV_SWEEP),
-    "proj_out": (expert_gemv, GEMV_SWEEP),
-    "latent": (latent_kernel, [dict(BK=bk, TARGET_PROGRAMS=tp, NUM_WARPS=w, NUM_STAGES=st) for bk, tp, (w, st) in
-                               itertools.product((64, 32), (264, 132), ((4, 2), (8, 2), (8, 3)))]),
-    "kda": (kda_decode, [dict(BV=32, MIN_PROGRAMS=132, NUM_WARPS=4)] + [
-        dict(BV=bv, MIN_PROGRAMS=0, NUM_WARPS=w) for bv, w in itertools.product((16, 32, 64), (4, 2, 1))]),
+GATHER_MAX_COPIES = DEFAULT_TUNING.gather_max_copies
+GEMV_SWEEP = [dict(gemv_programs=p, gemv_eviction=e) for p, e in itertools.product(
+    (DEFAULT_LAUNCH.gemv_programs, 132, 528), (DEFAULT_LAUNCH.gemv_eviction, None))]
+SWEEPS: dict[str, list[dict[str, Any]]] = {
+    "moe": GEMV_SWEEP,
+    "proj_in": GEMV_SWEEP,
+    "proj_out": GEMV_SWEEP,
+    "latent": [dict(latent_programs=p) for p in (DEFAULT_LAUNCH.latent_programs, 132, 528, 1056)],
+    "kda": [dict(kda_programs=p) for p in (DEFAULT_LAUNCH.kda_programs, 0, 264)],
 }
 # the kernel's name in each bench's timings
 PALLAS = {"moe": "gemv", "proj_in": "gemv", "proj_out": "gemv", "latent": "pallas", "kda": "pallas"}
@@ -87,7 +87,7 @@ def _time(fns: dict[str, Callable[[], Any]], calls: int, reps: int,
 
 
 def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array,
-              only: str | None = None) -> dict[str, Any]:
+              only: str | None = None, launch: Launch = DEFAULT_LAUNCH) -> dict[str, Any]:
     e, d, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     kw, kx, ki = jax.random.split(key, 3)
     w_gate, w_up = (_normal(kk, (e, d, i), jnp.bfloat16, 0.02) for kk in jax.random.split(kw, 2))
@@ -97,8 +97,8 @@ def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
     w = jnp.full((calls, batch, k), 1.0 / k, jnp.float32)
 
     def run(impl: str) -> Callable[[], Any]:
-        f = jax.jit(lambda x, idx, w: jnp.stack([routed_experts(x[c], idx[c], w[c], w_gate, w_up, w_down, impl=impl)
-                                                 for c in range(calls)]))
+        f = jax.jit(lambda x, idx, w: jnp.stack([routed_experts(x[c], idx[c], w[c], w_gate, w_up, w_down, impl=impl,
+                                                                launch=launch) for c in range(calls)]))
         return lambda: f(x, idx, w)
 
     us, outs = _time({"gather": run("gather"), "gemv": run("gemv")}, calls, reps, only)
@@ -110,14 +110,15 @@ def bench_moe(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
 
 
 def bench_proj(cfg: LingConfig, which: str, calls: int, reps: int, key: jax.Array,
-               only: str | None = None) -> dict[str, Any]:
+               only: str | None = None, launch: Launch = DEFAULT_LAUNCH) -> dict[str, Any]:
     """One row through one of `calls` layers' weights of a [calls, C, O] stack per instance."""
     h, dk, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     c, o = (d, -(-(5 * h * dk + h) // expert_gemv.MAX_BO) * expert_gemv.MAX_BO) if which == "in" else (h * dk, d)
     kw, kx = jax.random.split(key)
     stack = _normal(kw, (calls, c, o), jnp.bfloat16, 0.02)
     x = _normal(kx, (calls, 1, c), jnp.bfloat16)
-    products = {"gemv": lambda x, i: linear(x, WeightStack(stack, np.int32(i))), "xla": lambda x, i: x @ stack[i]}
+    products = {"gemv": lambda x, i: linear(x, WeightStack(stack, np.int32(i)), launch),
+                "xla": lambda x, i: x @ stack[i]}
 
     def run(impl: str) -> Callable[[], Any]:
         f = jax.jit(lambda x: jnp.stack([products[impl](x[i], i) for i in range(calls)]))
@@ -130,7 +131,7 @@ def bench_proj(cfg: LingConfig, which: str, calls: int, reps: int, key: jax.Arra
 
 
 def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, reps: int,
-                 key: jax.Array, only: str | None = None) -> dict[str, Any]:
+                 key: jax.Array, only: str | None = None, launch: Launch = DEFAULT_LAUNCH) -> dict[str, Any]:
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     kq, kc, kn = jax.random.split(key, 3)
     cache = _normal(kc, (batch, slots, r + dr), jnp.bfloat16)
@@ -144,7 +145,8 @@ def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, 
             [attend(q[c], cache, lengths, new[c], rank=r, scale=scale) for c in range(calls)]))
         return lambda: f(q, cache, lengths, new)
 
-    us, outs = _time({"xla": run(latent_attention), "pallas": run(latent_attention_pallas)}, calls, reps, only)
+    us, outs = _time({"xla": run(functools.partial(latent_attention, block=LATENT_BLOCK)),
+                      "pallas": run(functools.partial(latent_attention_pallas, launch=launch))}, calls, reps, only)
     nbytes = float(batch * ctx * (r + dr) * 2)
     return {"op": "latent", "batch": batch, "context": ctx, "slots": slots, "us": us, "bytes": nbytes,
             "GBps": _gbps(nbytes, us),
@@ -152,7 +154,7 @@ def bench_latent(cfg: LingConfig, batch: int, ctx: int, slots: int, calls: int, 
 
 
 def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array,
-              only: str | None = None) -> dict[str, Any]:
+              only: str | None = None, launch: Launch = DEFAULT_LAUNCH) -> dict[str, Any]:
     h, dk = cfg.num_attention_heads, cfg.head_dim
     ks = jax.random.split(key, 6)
     q, k = (_normal(kk, (calls, batch, h, dk), jnp.bfloat16) for kk in ks[:2])
@@ -173,7 +175,8 @@ def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
         f = jax.jit(chain)
         return lambda: f(q, k, v, g, beta, state)
 
-    us, outs = _time({"xla": run(kda_decode_step), "pallas": run(kda_decode_step_pallas)}, calls, reps, only)
+    us, outs = _time({"xla": run(kda_decode_step),
+                      "pallas": run(functools.partial(kda_decode_step_pallas, launch=launch))}, calls, reps, only)
     nbytes = float(batch * h * dk * dk * 4 * 2)
     return {"op": "kda", "batch": batch, "us": us, "bytes": nbytes, "GBps": _gbps(nbytes, us),
             "rel_l2_pallas_vs_xla": None if only else {"o": rel_l2(outs["pallas"][0], outs["xla"][0]),
@@ -181,14 +184,12 @@ def bench_kda(cfg: LingConfig, batch: int, calls: int, reps: int, key: jax.Array
 
 
 def swept(op: str, bench: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """`bench(*args)` of the Pallas kernel alone under each of the op's `SWEEPS` variants."""
-    module, variants = SWEEPS[op]
+    """`bench(*args)` of the Pallas kernel alone under each of the op's `SWEEPS` launch variants."""
     name = PALLAS[op]
     rows = []
-    for v in variants:
+    for v in SWEEPS[op]:
         try:
-            with mock.patch.multiple(module, **v):
-                r = bench(*args, only=name)
+            r = bench(*args, only=name, launch=dataclasses.replace(DEFAULT_LAUNCH, **v))
         except Exception as e:  # e.g. a tile that needs more shared memory than the GPU has
             rows.append({**v, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"  {op} {v}: {rows[-1]['error']}", flush=True)

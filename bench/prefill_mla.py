@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, median_time, random_params, write_json
 from ling_jax.config import LingConfig
+from ling_jax.kernels import select
 from ling_jax.layers.mla import mla_mixer
 from ling_jax.layers.rope import rope_cos_sin
 from ling_jax.ops.attention import attention_mask
@@ -68,7 +69,8 @@ def main() -> None:
         outs = {}
         for name, (c, absorbed) in forms.items():
             f = jax.jit(lambda x, cos, sin, mask, docs, c=c, a=absorbed: mla_mixer(
-                p, x, cfg=c, cos=cos, sin=sin, mask_BTS=mask, absorbed=a, docs=docs)[0])
+                p, x, cfg=c, kernels=select(c, dtype=x.dtype), cos=cos, sin=sin, mask_BTS=mask, absorbed=a,
+                docs=docs)[0])
             inputs = (x, cos, sin, mask, docs)
             outs[name] = np.asarray(jax.block_until_ready(f(*inputs)), np.float64)
             run[f"{name}_ms"] = 1e3 * median_time(lambda f=f, a=inputs: f(*a), reps=args.reps, warmup=1)

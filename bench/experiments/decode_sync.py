@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import machine, random_params, write_json
 from bench.decode import random_cache
 from ling_jax.config import LingConfig
-from ling_jax.generate import decode_step, fuse_for_decode, sample
+from ling_jax.decode import decode_step, fuse_for_decode, sample
+from ling_jax.kernels import select
 
 FORMS = ("cond", "greedy", "fori", "grouped")
 
@@ -43,7 +44,8 @@ FORMS = ("cond", "greedy", "fori", "grouped")
 def loop(cfg: LingConfig, params: Any, cache: Any, logits_BV: jax.Array, steps: int, form: str,
          group: int) -> tuple[jax.Array, Any]:
     """`steps` greedy tokens per row in the loop `form`: (tokens [B, steps], the cache)."""
-    params = fuse_for_decode(cfg, params)
+    kernels = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=True)
+    params = fuse_for_decode(cfg, kernels, params)
 
     def one(state):
         step, cache, logits, out = state
@@ -52,7 +54,7 @@ def loop(cfg: LingConfig, params: Any, cache: Any, logits_BV: jax.Array, steps: 
                          jnp.int32(0), jnp.float32(1))
         else:
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        cache, logits = decode_step(cfg, params, cache, tok)
+        cache, logits = decode_step(cfg, kernels, params, cache, tok)
         return step + 1, cache, logits, out.at[:, step].set(tok)
 
     state = (jnp.int32(0), cache, logits_BV, jnp.zeros((logits_BV.shape[0], steps), jnp.int32))

@@ -51,7 +51,7 @@ from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile
 from bench.experiments import pdl_chain
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.pallas_gpu import call_options, whole
+from ling_jax.ops.pallas_gpu import triton_call, whole
 
 # (BO rows per program, BCH columns per loop step, warps, pipeline stages)
 ROW_TILES = [(8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
@@ -81,11 +81,11 @@ def rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int, bch: int, warps: int,
 
         out_ref[pl.ds(i * bo, bo)] = jax.lax.fori_loop(0, n_ch, step, jnp.zeros((bo,), jnp.float32))
 
-    return pl.pallas_call(
+    return triton_call(
         kernel, grid=(o // bo,), in_specs=[whole(x_C), whole(w_OC)],
         out_specs=pl.BlockSpec((o,), lambda i: (0,)),
         out_shape=jax.ShapeDtypeStruct((o,), jnp.float32),
-        **call_options(interpret, num_warps=warps, num_stages=stages))(x_C, w_OC)
+        interpret=interpret, num_warps=warps, num_stages=stages)(x_C, w_OC)
 
 
 def mgpu_gemv(x_C: jax.Array, w_CO: jax.Array, *, tile_n: int, tile_k: int, steps: int,

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.pallas_gpu import call_options, whole
+from ling_jax.ops.pallas_gpu import triton_call, whole
 
 FORMS = ("serial", "prefetch", "inkernel", "window", "gemv")
 WINDOW = 128  # values the window kernel carries
@@ -72,8 +72,8 @@ def window(v: jax.Array, iters: int, interpret: bool) -> jax.Array:
     def kernel(x_ref, o_ref):
         o_ref[...] = _fma_chain(x_ref[...], iters)
 
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(v.shape, jnp.float32), name="window",
-                          **call_options(interpret, num_warps=1, num_stages=1))(v)
+    return triton_call(kernel, out_shape=jax.ShapeDtypeStruct(v.shape, jnp.float32), name="window",
+                          interpret=interpret, num_warps=1, num_stages=1)(v)
 
 
 def window_reading(v: jax.Array, iters: int, stack_LCO: jax.Array, layer: int, rows: int,
@@ -99,12 +99,12 @@ def window_reading(v: jax.Array, iters: int, stack_LCO: jax.Array, layer: int, r
             seen_ref[...] = jnp.full((1,), jnp.max(tile.astype(jnp.float32)))
 
     programs = 1 + rows // br * tiles_o
-    out, _ = pl.pallas_call(kernel, grid=(programs,),
+    out, _ = triton_call(kernel, grid=(programs,),
                             out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32),
                                        jax.ShapeDtypeStruct((programs,), jnp.float32)],
                             in_specs=[whole(v), whole(stack_LCO)],
                             out_specs=[whole(v), pl.BlockSpec((1,), lambda i: (i,))], name="window",
-                            **call_options(interpret, num_warps=4, num_stages=1))(v, stack_LCO)
+                            interpret=interpret, num_warps=4, num_stages=1)(v, stack_LCO)
     return out
 
 

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row, span_fields
 from ling_jax.ops import expert_gemv
-from ling_jax.ops.pallas_gpu import call_options, whole
+from ling_jax.ops.pallas_gpu import triton_call, whole
 
 EPS = 1e-6
 ROWS = 64  # wgmma's M: weight rows per program
@@ -164,10 +164,10 @@ def triton_rows_gemv(x_C: jax.Array, w_OC: jax.Array, *, bo: int = 16, bch: int 
         acc = jnp.sum(w0 * (x_ref[pl.ds(i * 0, bch)] * one)[None, :], axis=1)
         out_ref[rows] = lax.fori_loop(1, c // bch, step, acc)
 
-    return pl.pallas_call(
+    return triton_call(
         kernel, grid=(o // bo,), in_specs=[whole(x_C), whole(w_OC)], out_specs=pl.BlockSpec((o,), lambda i: (0,)),
         out_shape=jax.ShapeDtypeStruct((o,), jnp.float32),
-        **call_options(interpret, num_warps=4, num_stages=3))(x_C.astype(jnp.float32), w_OC)
+        interpret=interpret, num_warps=4, num_stages=3)(x_C.astype(jnp.float32), w_OC)
 
 
 @dataclasses.dataclass(frozen=True)

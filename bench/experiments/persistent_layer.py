@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.common import copy_bandwidth, machine, median_time, write_json
 from bench.device_profile import kernel_profile, print_row
-from ling_jax.ops.pallas_gpu import call_options, next_pow2, pow2_tile, whole
+from ling_jax.ops.pallas_gpu import next_pow2, pow2_tile, triton_call, whole
 
 EPS = 1e-6
 STAGES = ("in", "o", "gu", "down")
@@ -212,10 +212,10 @@ def barrier_check(programs: int, rounds: int = 8) -> tuple[jax.Array, jax.Array]
 
     state = [jnp.where(jnp.arange(pp) < programs, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32),
              jnp.zeros((rounds * pp,), jnp.float32), jnp.zeros((rounds * pp,), jnp.float32)]
-    flags, _, sums = pl.pallas_call(
+    flags, _, sums = triton_call(
         kernel, grid=(programs,), in_specs=[whole(s) for s in state], out_specs=[whole(s) for s in state],
         out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state],
-        input_output_aliases={0: 0, 1: 1, 2: 2}, **call_options(False, num_warps=4, num_stages=1))(*state)
+        input_output_aliases={0: 0, 1: 1, 2: 2}, interpret=False, num_warps=4, num_stages=1)(*state)
     return sums.reshape(rounds, pp)[:, :programs], flags[:programs]
 
 
@@ -361,12 +361,12 @@ def chain_pallas(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, *, mode: s
 
     def call(stage: str | None, layer: jax.Array, st: list[jax.Array]) -> list[jax.Array]:
         operands = [layer, *weights, *st]
-        return pl.pallas_call(
+        return triton_call(
             _chain_kernel(dims, tiles, programs, layers, mode, stage, depth, unroll), grid=(programs,),
             in_specs=[whole(o) for o in operands], out_specs=[whole(s) for s in st],
             out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in st],
             input_output_aliases={len(weights) + 1 + i: i for i in range(len(st))},
-            **call_options(interpret, num_warps=num_warps, num_stages=num_stages))(*operands)
+            interpret=interpret, num_warps=num_warps, num_stages=num_stages)(*operands)
 
     if mode == "phased":  # unrolled, as the decode step is
         for layer in range(layers):
