@@ -67,8 +67,9 @@ def load_any(path: Path, dtype: str, fp8_weights: bool = False, mesh: Any = None
 
     import ling_jax
     from ling_jax.checkpoint.fp8 import is_block_fp8
+    from ling_jax.checkpoint.hf import is_hf_dir
 
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    if is_hf_dir(path):
         if fp8_weights:
             raise UsageError(f"--fp8-weights needs an Orbax checkpoint with FP8 weights; convert {path} first "
                              "(ling-convert --dtype float8)")

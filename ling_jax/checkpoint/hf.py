@@ -27,6 +27,13 @@ ALIASES = {"mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def is_hf_dir(path: str | Path) -> bool:
+    """Whether `path` looks like an HF checkpoint directory (a `config.json` and safetensors files)
+    rather than an Orbax one; `load_hf_checkpoint` validates the rest."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def scale_name(name: str) -> str:
     return f"{name}_scale_inv"
 
