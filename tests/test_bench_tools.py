@@ -16,7 +16,7 @@ import pytest
 from conftest import rel_l2
 
 from bench.common import random_fp8_params, random_params
-from bench.decode import parse_variant, patched
+from bench.decode import parse_variant
 from bench.device_profile import hlo_copies, hlo_op_paths
 from ling_jax.checkpoint.fp8 import BlockFP8, is_block_fp8
 from ling_jax.config import LingConfig
@@ -77,20 +77,20 @@ def test_hlo_copies_lists_the_largest_copies(tmp_path):
     assert {r["module"] for r in hlo_copies(str(tmp_path))} == {"jit_step", "jit_other"}
 
 
-def test_decode_variants_patch_module_constants():
-    """`bench/decode.py --variant NAME:module.ATTR=VALUE,...`: parsed to patches that hold inside
-    `patched` only; malformed specs and unknown attributes stop the run before any timing."""
-    from ling_jax.ops import expert_gemv
+def test_decode_variants_override_the_tuned_table():
+    """`bench/decode.py --variant NAME:FIELD=VALUE,...`: parsed to overrides of the tuned table that the
+    records `kernels.select` returns inside `tuned` carry; malformed specs and unknown fields stop the
+    run before any timing."""
+    from ling_jax.config import LingConfig
+    from ling_jax.kernels import select, tuned
 
-    name, patches = parse_variant("narrow:ling_jax.ops.expert_gemv.MAX_BC=32, ling_jax.ops.expert_gemv.NUM_WARPS=8")
-    assert name == "narrow" and patches == {("ling_jax.ops.expert_gemv", "MAX_BC"): 32,
-                                            ("ling_jax.ops.expert_gemv", "NUM_WARPS"): 8}
-    before = expert_gemv.MAX_BC, expert_gemv.NUM_WARPS
-    with patched(patches):
-        assert (expert_gemv.MAX_BC, expert_gemv.NUM_WARPS) == (32, 8)
-    assert before == (expert_gemv.MAX_BC, expert_gemv.NUM_WARPS)
-    for bad in ("no_colon_here", ":ling_jax.ops.expert_gemv.MAX_BC=32", "x:MAX_BC=32",
-                "x:ling_jax.ops.expert_gemv.MAX_BC", "x:ling_jax.ops.expert_gemv.NOT_THERE=1"):
+    name, fields = parse_variant("narrow:gemv_programs=132, prefetch_shared=False")
+    assert name == "narrow" and fields == {"gemv_programs": 132, "prefetch_shared": False}
+    cfg = LingConfig.preset("debug")
+    with tuned(**fields):
+        k = select(cfg, dtype=jnp.bfloat16)
+    assert k.tuning.launch.gemv_programs == 132 and not k.tuning.prefetch_shared
+    for bad in ("no_colon_here", ":gemv_programs=32", "x:gemv_programs", "x:NOT_THERE=1"):
         with pytest.raises(SystemExit):
             parse_variant(bad)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ling_jax.generate import sample
+from ling_jax.decode.sampling import sample
 
 N = 40_000  # rows of one call, each with its own key: N independent draws
 # not sorted, so a filter has to rank the tokens; by probability: 1, 4, 3, 5, 6, 0, 2

@@ -8,23 +8,38 @@ import jax.numpy as jnp
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
-    """Next token per row [B] int32: greedy when temperature == 0, else sampled from the softmax of
-    logits / temperature restricted to the top_k most likely tokens (0: all) and, within those, to the
-    smallest set whose probability reaches top_p; row b draws with `fold_in(keys_B[b], step)` (its
-    own key: its draws do not depend on its batch). temperature, top_k and top_p are scalars shared
-    by the batch."""
-    greedy = jnp.argmax(logits_BV, axis=-1)
+    """Next token per row [B] int32.
+
+    Row b is greedy where temperature[b] == 0, else drawn from the softmax of logits / temperature[b]
+    restricted to the top_k[b] most likely tokens (0: all) and, within those, to the smallest set whose
+    probability reaches top_p[b], with the key `fold_in(keys_B[b], step[b])` (its own key and its own
+    token index: its draws do not depend on its batch). `step`, `temperature`, `top_k` and `top_p` are
+    scalars shared by the batch or [B] arrays, one per row. The sort the filters need runs only when
+    some row samples."""
+    b = logits_BV.shape[0]
+    step, temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,)) for a in (step, temperature, top_k, top_p))
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def sampled() -> jax.Array:
-        logits = logits_BV / jnp.maximum(temperature, 1e-6)
+        logits = logits_BV / jnp.maximum(temperature, 1e-6)[:, None]
         srt = jnp.sort(logits, axis=-1)[:, ::-1]
-        kth = jnp.where(top_k > 0, jnp.take(srt, jnp.clip(top_k - 1, 0, srt.shape[-1] - 1), axis=-1), -jnp.inf)
+        kth = jnp.where(top_k > 0, jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, srt.shape[-1] - 1)[:, None],
+                                                        axis=-1)[:, 0], -jnp.inf)
         probs = jax.nn.softmax(jnp.where(srt >= kth[:, None], srt, -jnp.inf), axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        keep = (before < top_p) & (srt >= kth[:, None])
+        keep = (before < top_p[:, None]) & (srt >= kth[:, None])
         cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
         masked = jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
-        return jax.vmap(jax.random.categorical)(keys, masked)
+        keys = jax.vmap(jax.random.fold_in)(keys_B, step)
+        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
 
-    return jax.lax.cond(temperature > 0, sampled, lambda: greedy).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-probability of each row's token [B], the n most likely tokens [B, n] int32 and their
+    log-probabilities [B, n]) under the softmax of the raw float32 logits (no temperature or filter)."""
+    lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp_BV, n)
+    return jnp.take_along_axis(lp_BV, tokens_B[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
