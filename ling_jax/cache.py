@@ -9,6 +9,10 @@ gives each row's number of cached tokens (= the position of its next token).
     {"segments": [run: {"state", "conv"} or {"latent"} with a leading [n] axis;
                   groups: {"kda": {"state", "conv"} [n, G-1, ...], "mla": {"latent"} [n, ...]}],
      "lengths": [B] int32}
+
+The serving engine's cache is paged (`paged_cache_shapes`): each MLA leaf is {"pages": [n, P, K, W]},
+a pool of P pages of K rows shared by all rows, and a page table [B, N] maps row b's position t to
+page table[b, t // K], row t % K, so memory follows the tokens held, not B x max_len.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ling_jax.config import LingConfig, Mixer
 from ling_jax.sharding import constrain
 
 Cache = dict[str, Any]
-ROLES = {"state": "kda_state", "conv": "kda_conv", "latent": "mla_latent"}  # cache leaf -> sharding role
+ROLES = {"state": "kda_state", "conv": "kda_conv", "latent": "mla_latent", "pages": "mla_pages"}  # leaf -> role
 LATENT_BLOCK = 1024  # the latent cache length is allocated in multiples of this (decode attention block)
 
 
@@ -32,27 +36,43 @@ def cache_length(max_len: int) -> int:
     return -(-max_len // LATENT_BLOCK) * LATENT_BLOCK
 
 
-def _mixer_cache(cfg: LingConfig, mixer: Mixer, lead: tuple[int, ...], batch: int, slots: int,
-                 dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+def _mixer_cache(cfg: LingConfig, mixer: Mixer, lead: tuple[int, ...], batch: int,
+                 latent: tuple[str, tuple[int, ...]], dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """One stack's cache leaves; `latent`: the MLA leaf's name and shape after the stack axes
+    ("latent", [B, S]: contiguous rows; "pages", [P, K]: a pool of pages)."""
     if mixer == "kda":
         h, dh = cfg.num_attention_heads, cfg.head_dim
         return {"state": jax.ShapeDtypeStruct((*lead, batch, h, dh, dh), jnp.float32),
                 "conv": jax.ShapeDtypeStruct((*lead, batch, cfg.short_conv_kernel_size - 1, 3 * cfg.kda_dim), dtype)}
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return {"latent": jax.ShapeDtypeStruct((*lead, batch, slots, width), dtype)}
+    name, shape = latent
+    return {name: jax.ShapeDtypeStruct((*lead, *shape, width), dtype)}
+
+
+def _segment_caches(cfg: LingConfig, batch: int, latent: tuple[str, tuple[int, ...]], dtype: Any) -> list[Any]:
+    segs: list[Any] = []
+    for seg in cfg.segments:
+        if seg.kind == "run":
+            segs.append(_mixer_cache(cfg, seg.mixer, (seg.length,), batch, latent, dtype))
+        else:
+            segs.append({"kda": _mixer_cache(cfg, "kda", (seg.length, seg.kda_per_group), batch, latent, dtype),
+                         "mla": _mixer_cache(cfg, "mla", (seg.length,), batch, latent, dtype)})
+    return segs
 
 
 def cache_shapes(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> Cache:
     """The cache pytree as ShapeDtypeStructs, for `batch` rows of up to `max_len` tokens."""
-    slots = cache_length(max_len)
-    dtype = jnp.dtype(dtype)
-    segs: list[Any] = []
-    for seg in cfg.segments:
-        if seg.kind == "run":
-            segs.append(_mixer_cache(cfg, seg.mixer, (seg.length,), batch, slots, dtype))
-        else:
-            segs.append({"kda": _mixer_cache(cfg, "kda", (seg.length, seg.kda_per_group), batch, slots, dtype),
-                         "mla": _mixer_cache(cfg, "mla", (seg.length,), batch, slots, dtype)})
+    segs = _segment_caches(cfg, batch, ("latent", (batch, cache_length(max_len))), jnp.dtype(dtype))
+    return {"segments": segs, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+
+
+def paged_cache_shapes(cfg: LingConfig, batch: int, num_pages: int, page_size: int,
+                       dtype: Any = jnp.bfloat16) -> Cache:
+    """A paged cache as ShapeDtypeStructs: per KDA layer the state and conv window of `batch` rows,
+    per MLA layer a pool of `num_pages` pages of `page_size` latent rows ({"pages": [*lead, P, K, W]})
+    shared by all rows, which a page table [B, N] (given with each call, `decode_step`) maps each
+    row's positions into: position t of row b is page table[b, t // K], row t % K."""
+    segs = _segment_caches(cfg, batch, ("pages", (num_pages, page_size)), jnp.dtype(dtype))
     return {"segments": segs, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
 
 

@@ -10,7 +10,6 @@ sampling, stop handling.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 from ling_jax.cache import cache_length
 from ling_jax.config import LingConfig
 from ling_jax.decode import decode_loop, prefill
+from ling_jax.decode.sampling import row_keys
 from ling_jax.kernels import select
 from ling_jax.params import Params
 from ling_jax.sharding import warn_without_mesh
@@ -60,21 +60,6 @@ def _token_ids(p: Any, what: str, vocab_size: int) -> np.ndarray:
     if outside:
         raise ValueError(f"{what} has token id {outside[0]} outside [0, vocab_size={vocab_size})")
     return np.asarray(ids, np.int32)
-
-
-def _row_keys(seeds: Sequence[int], rows: Sequence[np.ndarray]) -> jax.Array:
-    """One PRNG key per row from its 64-bit seed and a hash (CRC-32) of its prompt's ids, so a row's
-    draws depend on nothing else in its batch."""
-    words = np.array([(int(s) & 0xFFFFFFFF, (int(s) >> 32) & 0xFFFFFFFF, zlib.crc32(r.astype("<i4").tobytes()))
-                      for s, r in zip(seeds, rows, strict=True)], np.uint32)
-
-    def key(w_3: jax.Array) -> jax.Array:
-        k = jax.random.key(0)
-        for j in range(3):
-            k = jax.random.fold_in(k, w_3[j])
-        return k
-
-    return jax.vmap(key)(jnp.asarray(words))
 
 
 def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any) -> None:
@@ -134,7 +119,7 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     dtype = params["embed"].dtype
     cache, logits = prefill(config, select(config, dtype=dtype, inference=True), params, jnp.asarray(ids),
                             jnp.asarray(lengths, jnp.int32), slots)
-    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), _row_keys(seeds, rows),
+    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), row_keys(seeds, rows),
                                  jnp.float32(temperature), jnp.int32(min(top_k, config.vocab_size)),
                                  jnp.float32(top_p), stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers,
                                  kernels=select(config, dtype=dtype, decode=True, unroll=unroll_layers))

@@ -65,6 +65,7 @@ ROLES: dict[str, tuple[AxisSpec, ...]] = {
     "kda_state": (BATCH_AXES, "tensor", None, None),  # [B, H, K, V] f32: heads follow the KDA projections
     "kda_conv": (BATCH_AXES, None, "tensor"),  # [B, W-1, 3P]
     "mla_latent": (BATCH_AXES, None, None),  # [B, S, r + d_r]: one latent shared by all heads, not split
+    "mla_pages": (None, None, None),  # [P, K, r + d_r]: a page pool every row reads through its table: whole
 }
 
 # leaf name (last element of a ParamSlot.path) -> role; expert leaves are told apart by `Leaf.experts`.

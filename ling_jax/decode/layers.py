@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ling_jax.cache import LATENT_BLOCK
 from ling_jax.checkpoint.fp8 import dense_weights, is_block_fp8
 from ling_jax.config import Ffn, LingConfig
-from ling_jax.decode.views import FUSED_CONV, FUSED_INPUT, LatentStack
+from ling_jax.decode.views import FUSED_CONV, FUSED_INPUT, LatentStack, PagedLatent
 from ling_jax.kernels import Kernels
 from ling_jax.layers import kda as kda_layers
 from ling_jax.layers import mla as mla_layers
@@ -32,9 +32,9 @@ from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.l2_prefetch import Prefetch
-from ling_jax.ops.latent_attention_pallas import latent_attention_pallas
+from ling_jax.ops.latent_attention_pallas import latent_attention_paged_pallas, latent_attention_pallas
 from ling_jax.ops.layer_gemv import WeightStack, column_starts, linear, normed, pad_columns, partial_products
-from ling_jax.ops.mla_decode import latent_attention
+from ling_jax.ops.mla_decode import latent_attention, latent_attention_paged
 from ling_jax.ops.moe import EXPERT_LEAVES, ExpertStack, SharedStacks, materialize, routed_experts
 from ling_jax.ops.norms import gated_rms_norm
 from ling_jax.ops.route_pallas import select_experts
@@ -269,10 +269,10 @@ def _kda_layer_kernel(p: dict[str, Any], x_B1D: Rows, cache: KdaCacheStack, *, c
 # ----------------------------------------------------------------------------- MLA
 
 
-def mla(p: dict[str, Any], x_BD: Rows, latent: jax.Array | LatentStack, lengths_B: jax.Array, *,
+def mla(p: dict[str, Any], x_BD: Rows, latent: jax.Array | LatentStack | PagedLatent, lengths_B: jax.Array, *,
         cfg: LingConfig, kernels: Kernels, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One token per row against the latent cache [B, S, r + d_r] (or its `LatentStack`), absorbed form
-    (§5.1): (out [B, D], the token's new latent row [B, r + d_r]).
+    """One token per row against the latent cache [B, S, r + d_r] (or its `LatentStack`, or its pages:
+    `PagedLatent`), absorbed form (§5.1): (out [B, D], the token's new latent row [B, r + d_r]).
 
     The query's nope part is folded through W_UK into the latent space, the attention runs over the
     cached [c ‖ k_rot] rows j < lengths[b] plus the new one at scale 1/sqrt(qk_head_dim), and W_UV
@@ -300,12 +300,18 @@ def mla(p: dict[str, Any], x_BD: Rows, latent: jax.Array | LatentStack, lengths_
     return mla_layers.mla_output(p, o_BHV[:, None], gate_B1X, linear=lin)[:, 0], new_BW
 
 
-def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack, lengths_B: jax.Array, new_BW: jax.Array, *,
-            cfg: LingConfig, kernels: Kernels) -> jax.Array:
+def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack | PagedLatent, lengths_B: jax.Array,
+            new_BW: jax.Array, *, cfg: LingConfig, kernels: Kernels) -> jax.Array:
     """The decode attention over the latent cache [B, H, r]: the Pallas kernel where `kernels.decode_mla`
     (on a `LatentStack` in place; per shard under a multi-device context mesh: rows over the token
-    axes, as the cache is laid out, heads over tensor), else the XLA loop."""
+    axes, as the cache is laid out, heads over tensor), else the XLA loop. Paged (`PagedLatent`): the
+    paged kernel on one device, the paged XLA loop elsewhere."""
     kw = dict(rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
+    if isinstance(latent_BSW, PagedLatent):
+        paged = latent_attention_paged
+        if kernels.decode_mla and not kernels.sharded:
+            paged = functools.partial(latent_attention_paged_pallas, launch=kernels.tuning.launch)
+        return paged(q_BHW, latent_BSW.pool, latent_BSW.page_table, lengths_B, new_BW, layer=latent_BSW.layer, **kw)
     if isinstance(latent_BSW, LatentStack):
         return latent_attention_pallas(q_BHW, latent_BSW.stack, lengths_B, new_BW, layer=latent_BSW.layer,
                                        launch=kernels.tuning.launch, **kw)

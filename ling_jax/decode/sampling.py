@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -17,7 +21,8 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature
     scalars shared by the batch or [B] arrays, one per row. The sort the filters need runs only when
     some row samples."""
     b = logits_BV.shape[0]
-    step, temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,)) for a in (step, temperature, top_k, top_p))
+    step, temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,))
+                                       for a in (step, temperature, top_k, top_p))
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def sampled() -> jax.Array:
@@ -43,3 +48,20 @@ def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int) -> tuple[jax.Arr
     lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     top_lp, top_ids = jax.lax.top_k(lp_BV, n)
     return jnp.take_along_axis(lp_BV, tokens_B[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+
+def row_keys(seeds: Sequence[int], prompts: Sequence[np.ndarray]) -> jax.Array:
+    """One PRNG key per row [B] from its 64-bit seed and a hash (CRC-32) of its prompt's ids, so a
+    row's draws depend on nothing else in its batch (the same seed and prompt draw alike in `generate`
+    and in the serving engine)."""
+    words = np.array([(int(s) & 0xFFFFFFFF, (int(s) >> 32) & 0xFFFFFFFF,
+                       zlib.crc32(np.asarray(r).astype("<i4").tobytes())) for s, r in zip(seeds, prompts, strict=True)],
+                     np.uint32)
+
+    def key(w_3: jax.Array) -> jax.Array:
+        k = jax.random.key(0)
+        for j in range(3):
+            k = jax.random.fold_in(k, w_3[j])
+        return k
+
+    return jax.vmap(key)(jnp.asarray(words))

@@ -63,17 +63,19 @@ def fuse_for_decode(cfg: LingConfig, kernels: Kernels, params: Params) -> Params
     return new
 
 
-def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerFn, unroll: bool
-               ) -> Callable[[Segment, Params, Any], SegmentPlan]:
+def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerFn, unroll: bool,
+               page_table: jax.Array | None = None) -> Callable[[Segment, Params, Any], SegmentPlan]:
     """The decode step's `model.run_stack` plan: per segment, the weight and cache leaves the decode
     kernels read in place are split out of the stacks and rejoined per layer as views, and a
     segment whose KDA layers run the layer kernel threads its cache stacks from layer to layer
-    (`views.KdaCaches`, a Python loop). Views exist only for an unrolled step on one device."""
+    (`views.KdaCaches`, a Python loop). Views exist only for an unrolled step on one device; a paged
+    latent pool (`page_table` given) is read in place by the paged kernel the same way."""
     rows = x.shape[0] * x.shape[1]
     dtype = x.dtype
     experts = (unroll and cfg.uses_moe and kernels.expert_stacks
                and kernels.moe_for(rows * cfg.num_experts_per_tok) == "gemv")
-    latent_views = unroll and kernels.decode_mla and not kernels.sharded
+    # a paged pool is always read in place (its layer's slice would be a copy of the whole pool)
+    latent_views = page_table is not None or (unroll and kernels.decode_mla and not kernels.sharded)
     linears = rows if unroll and rows <= stack_matmul.MAX_ROWS and kernels.decode_proj else 0
     kda_kernel = unroll and kda_layer_kernel(cfg, kernels)
 
@@ -88,7 +90,7 @@ def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerF
             threaded = KdaCaches(cs) if kda else None
 
             def run_layer(p, x, lim, c, mixer, ffn):
-                c = threaded.view(c) if threaded else join_latent(c, latent)
+                c = threaded.view(c) if threaded else join_latent(c, latent, page_table)
                 x, y = layer_fn(join_stacks(p, stacks), x, lim, c, mixer, ffn)
                 return x, threaded.keep(y) if threaded else y
 
@@ -102,7 +104,7 @@ def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerF
 
         def group_layer(p, x, lim, c, mixer, ffn):
             if mixer == "mla":
-                return layer_fn(join_stacks(p, stacks_mla), x, lim, join_latent(c, latent), mixer, ffn)
+                return layer_fn(join_stacks(p, stacks_mla), x, lim, join_latent(c, latent, page_table), mixer, ffn)
             x, y = layer_fn(join_stacks(p, stacks_kda), x, lim, threaded.view(c) if threaded else c, mixer, ffn)
             return x, threaded.keep(y) if threaded else y
 
@@ -114,19 +116,23 @@ def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerF
 
 
 def decode_step(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache, tokens_B: jax.Array,
-                unroll: bool = True) -> tuple[Cache, jax.Array]:
+                unroll: bool = True, page_table: jax.Array | None = None) -> tuple[Cache, jax.Array]:
     """One token per row at position cache["lengths"]: (updated cache, logits [B, V] float32).
 
     `kernels`: `kernels.select(cfg, dtype=..., decode=True, unroll=unroll)`. `params`: as loaded, or
     with `fuse_for_decode`'s fused weights (faster). `unroll`: the layers as one straight-line
-    program (faster steps, longer compiles) instead of scans."""
+    program (faster steps, longer compiles) instead of scans. A paged cache
+    (`cache.paged_cache_shapes`) comes with its `page_table` [B, N]: the new latent rows go to the
+    pages it names (every row needs a page for position lengths[b]; the pool drops a write to an
+    out-of-range page index)."""
     lengths = cache["lengths"]
     cos, sin = rope_cos_sin(lengths[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
 
     def mix(p, h_B1D, mixer, c):
         if mixer == "kda":
             return layers.kda(p, h_B1D, c, cfg=cfg, kernels=kernels)
-        out_BD, row_BW = layers.mla(p, h_B1D[:, 0], c["latent"], lengths, cfg=cfg, kernels=kernels, cos=cos, sin=sin)
+        latent = c["latent"] if "latent" in c else c["pages"]
+        out_BD, row_BW = layers.mla(p, h_B1D[:, 0], latent, lengths, cfg=cfg, kernels=kernels, cos=cos, sin=sin)
         return out_BD[:, None], row_BW
 
     def layer(p, x, lim, c, mixer, ffn):
@@ -135,7 +141,7 @@ def decode_step(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache,
 
     x = embed(params, tokens_B[:, None])
     x, new = run_stack(cfg, params, x, layer, caches=cache["segments"], unroll=unroll,
-                       plan=stack_plan(cfg, kernels, x, layer, unroll))
+                       plan=stack_plan(cfg, kernels, x, layer, unroll, page_table))
     # the cache writes below wait for the last layer: else XLA may schedule a segment's latent write
     # before that segment's attention has read the cache, and then copies the whole cache to keep the
     # old rows
@@ -145,6 +151,10 @@ def decode_step(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache,
     def merge(seg_cache: dict, seg_new: Any) -> dict:
         if "latent" in seg_cache:  # scatter the new latent row of every layer into slot `lengths`
             return {"latent": seg_cache["latent"].at[:, rows, lengths].set(seg_new)}
+        if "pages" in seg_cache:  # ... or into its page
+            page_size = seg_cache["pages"].shape[-2]
+            page_B = jnp.take_along_axis(page_table, (lengths // page_size)[:, None], axis=1, mode="clip")[:, 0]
+            return {"pages": seg_cache["pages"].at[:, page_B, lengths % page_size].set(seg_new, mode="drop")}
         return seg_new
 
     with jax.named_scope("cache_write"):

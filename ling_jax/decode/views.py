@@ -49,6 +49,17 @@ class LatentStack:
     layer: jax.Array  # int32 scalar, this layer's index in the stack
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedLatent:
+    """One MLA layer's latent cache as pages of a pool: the pool [P, K, W] (or its segment's stack
+    [L, P, K, W] read in place at `layer`) and the rows' page table [B, N] (`cache.paged_cache_shapes`)."""
+
+    pool: jax.Array  # [P, K, W] or [L, P, K, W]
+    page_table: jax.Array  # [B, N] int32
+    layer: jax.Array | None = None  # int32 scalar with a stacked pool
+
+
 def stackable(w: object, lead: int, dtype: jnp.dtype, rows: int = 1) -> bool:
     """Whether a leaf of layer-stacked params (`lead` stack axes) can go to `layer_gemv.linear` as a
     `WeightStack` for products of `rows` rows: a dense array of [C, O] matrices in the compute
@@ -159,12 +170,19 @@ class KdaCaches:
 
 
 def split_latent(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
-    """A segment's MLA cache with its latent stack [n, B, S, W] replaced by the layers' indices
-    (sliced by the layer loop like any cache leaf), and the stack aside, rejoined per layer as a
-    `LatentStack` (`join_latent`) so the decode kernel reads it in place."""
-    stack = c["latent"]
-    return {**c, "latent": jnp.arange(stack.shape[0], dtype=jnp.int32)}, stack
+    """A segment's MLA cache with its latent stack ([n, B, S, W], or a paged pool [n, P, K, W])
+    replaced by the layers' indices (sliced by the layer loop like any cache leaf), and the stack
+    aside, rejoined per layer as a view (`join_latent`) so the decode kernel reads it in place."""
+    name = "latent" if "latent" in c else "pages"
+    stack = c[name]
+    return {**c, name: jnp.arange(stack.shape[0], dtype=jnp.int32)}, stack
 
 
-def join_latent(c: Any, stack: jax.Array | None) -> Any:
-    return c if stack is None else {**c, "latent": LatentStack(stack, c["latent"])}
+def join_latent(c: Any, stack: jax.Array | None, page_table: jax.Array | None = None) -> Any:
+    """One layer's MLA cache with its index turned back into a view of `stack` (a `LatentStack`, or
+    with a page table a `PagedLatent` of the pool stack)."""
+    if stack is None:
+        return c
+    if "pages" in c:
+        return {**c, "pages": PagedLatent(stack, page_table, c["pages"])}
+    return {**c, "latent": LatentStack(stack, c["latent"])}

@@ -70,6 +70,7 @@ def mla_output(p: dict[str, Any], o_BTHV: jax.Array, gate_BTX: jax.Array, linear
 def mla_mixer(
     p: dict[str, Any], x_BTD: jax.Array, *, cfg: LingConfig, kernels: Kernels, cos: jax.Array, sin: jax.Array,
     mask_BTS: jax.Array, absorbed: bool = False, docs: tuple[jax.Array, jax.Array] | None = None,
+    past_BSW: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B, T, D] (input-normed) -> (out [B, T, D], {"latent": [B, T, r + d_r]} to cache).
 
@@ -79,8 +80,12 @@ def mla_mixer(
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
     query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; the
     expanded form is the faster one over sequences (`bench/prefill_mla.py`, BENCHMARKS.md), so prefill
-    and training run it.
+    and training run it. `past_BSW` (absorbed only): the cached latent rows [B, S, r + d_r] of the
+    tokens before x (a prefill chunk continuing a sequence); the keys are then [past ‖ x] and
+    `mask_BTS` is [B, T, S + T].
     """
+    if past_BSW is not None and not absorbed:
+        raise ValueError("mla_mixer: past latent rows are attended in the absorbed form (absorbed=True)")
     b, t, _ = x_BTD.shape
     h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     q_in, ckv_BTW, gate_BTX = _projected_inputs(p, x_BTD)
@@ -95,9 +100,10 @@ def mla_mixer(
         w_uk_RHN, w_uv_RHV = absorbed_weights(p, cfg)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
         q_BTHW = jnp.concatenate([q_lat.astype(dt), q_rot], axis=-1)
-        s_BHTS = jnp.einsum("bthw,bsw->bhts", q_BTHW, latent_BTW, preferred_element_type=jnp.float32)
+        keys_BSW = latent_BTW if past_BSW is None else jnp.concatenate([past_BSW.astype(dt), latent_BTW], axis=1)
+        s_BHTS = jnp.einsum("bthw,bsw->bhts", q_BTHW, keys_BSW, preferred_element_type=jnp.float32)
         p_BHTS = masked_softmax(s_BHTS * cfg.qk_head_dim**-0.5, mask_BTS, dt)
-        o_BTHR = jnp.einsum("bhts,bsr->bthr", p_BHTS, c_BTR)
+        o_BTHR = jnp.einsum("bhts,bsr->bthr", p_BHTS, keys_BSW[..., :cfg.kv_lora_rank])
         o_BTHV = jnp.einsum("bthr,rhv->bthv", o_BTHR, w_uv_RHV.astype(dt))
         return mla_output(p, o_BTHV, gate_BTX), {"latent": latent_BTW}
     kv_BTHX = (c_BTR @ p["kv_b_proj"].astype(x_BTD.dtype)).reshape(b, t, h, dn + dv)

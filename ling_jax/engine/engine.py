@@ -1,0 +1,461 @@
+"""`Engine`: continuous batching over a paged latent cache, driven by one loop thread.
+
+A fixed number of slots (`max_batch`) share one compiled decode step. Requests wait in a queue and
+are admitted into free slots between steps; a slot's prompt is prefilled in chunks (at most
+`prefill_chunk` tokens per chunk and `token_budget` prompt tokens per loop iteration, so a long
+prompt never stalls the running requests for its whole prefill); then the slot decodes with the
+others, several steps per host round trip while no request waits to start. A request leaves as soon
+as it finishes (a stop token, `max_tokens`, cancellation) and its slot and pages go to the next.
+
+Memory: the MLA latents live in a pool of pages of `page_size` tokens; a request holds the pages its
+tokens fill (ceil(tokens / page_size)), taken as it grows. Admission reserves the pages a request
+may come to need (prompt + max_tokens), so a running request never waits for a page. KDA state and
+conv windows are per slot.
+
+Compiled shapes: prefill chunks in powers of two up to `prefill_chunk` (at least 16), decode calls of
+1 and `decode_steps` steps, each with and without log-probabilities; `warmup()` compiles them all, and
+serving never compiles afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import nbytes, paged_cache_shapes, place
+from ling_jax.config import LingConfig
+from ling_jax.decode.sampling import row_keys
+from ling_jax.decode.step import fuse_for_decode
+from ling_jax.engine import device
+from ling_jax.engine.request import QueueFull, RequestHandle, SamplingParams, TokenOutput
+from ling_jax.kernels import Kernels, select
+from ling_jax.params import Params
+
+MIN_CHUNK = 16  # the smallest prefill chunk bucket
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A running request: its handle, prompt, where its prefill stands, its pages and sampling state."""
+
+    handle: RequestHandle
+    prompt: np.ndarray  # int32 [T]
+    key: np.ndarray  # uint32 key data
+    stop: frozenset[int]
+    reserved: int  # pages held back for it at admission (its worst case)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache
+    length: int = 0  # tokens in the cache
+    emitted: int = 0  # new tokens delivered
+    last: int = 0  # the last new token (the next decode step's input)
+    order: int = 0  # admission order
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+class PagePool:
+    """Host bookkeeping of the latent pages: page 0 is kept back (free slots' tables point to it)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free = list(range(num_pages - 1, 0, -1))
+        self.reserved = 0  # pages promised to admitted requests and not yet taken
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - 1 - len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        pages, self.free = self.free[len(self.free) - n:], self.free[:len(self.free) - n]
+        return pages[::-1]
+
+    def give_back(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+
+class Engine:
+    """Continuous batching over a paged latent cache (module doc). `submit` and `cancel` may be called
+    from any thread; tokens arrive through the `RequestHandle`s.
+
+    `config`, `params`: the model (params as loaded: float or FP8-resident, placed on `mesh` if
+    given). `max_batch`: slots; `max_len`: the most tokens a request may hold (prompt + max_tokens);
+    `page_size`: tokens per page; `num_pages`: the pool's size (default: enough for every slot at
+    `max_len`); `prefill_chunk`: the largest prefill chunk; `token_budget`: prompt tokens prefilled per
+    loop iteration (default `prefill_chunk`); `decode_steps`: decode steps per call while nothing
+    waits; `max_waiting`: queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
+    every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled.
+    """
+
+    def __init__(self, config: LingConfig, params: Params, *, max_batch: int = 8, max_len: int = 2048,
+                 page_size: int = 64, num_pages: int | None = None, prefill_chunk: int = 512,
+                 token_budget: int | None = None, decode_steps: int = 8, max_waiting: int = 256, mesh: Any = None,
+                 unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
+                 prefix_cache_gb: float = 1.0):
+        for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
+                               ("prefill_chunk", prefill_chunk, 1), ("decode_steps", decode_steps, 1),
+                               ("max_waiting", max_waiting, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{name}={v!r} must be an integer >= {least}")
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
+        if speculative_tokens or prefix_cache:
+            raise ValueError("speculative decoding and the prefix cache are not part of this engine build")
+        self.config, self.max_batch, self.max_len, self.page_size = config, max_batch, max_len, page_size
+        self.max_pages = -(-max_len // page_size)
+        self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages + 1
+        if self.num_pages < self.max_pages + 1:
+            raise ValueError(f"num_pages={self.num_pages} holds no request of max_len={max_len} "
+                             f"(needs {self.max_pages} pages + 1 kept back)")
+        self.chunks = sorted({min(max(MIN_CHUNK, 1 << i), prefill_chunk)
+                              for i in range(prefill_chunk.bit_length() + 1)})
+        self.token_budget = token_budget or self.chunks[-1]
+        self.decode_steps, self.max_waiting, self.mesh = decode_steps, max_waiting, mesh
+        self.eos = frozenset(config.eos_token_id)
+        dtype = params["embed"].dtype
+        with self._mesh():
+            self.k_prefill: Kernels = select(config, dtype=dtype, inference=True)
+            self.k_decode: Kernels = select(config, dtype=dtype, decode=True, unroll=unroll_layers)
+            self.params = jax.jit(fuse_for_decode, static_argnums=(0, 1))(config, self.k_decode, params)
+            shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
+            self.cache = jax.jit(lambda: place(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)))()
+            staging = paged_cache_shapes(config, 1, 1, page_size, dtype)
+            self.staging = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), staging))()
+        self.cache_bytes = nbytes(shapes)
+        self.pool = PagePool(self.num_pages)
+        self.slots: list[_Slot | None] = [None] * max_batch
+        self.waiting: deque[RequestHandle] = deque()
+        self._pending: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # request id -> (prompt, key)
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._admitting = True
+        self._drain_deadline: float | None = None
+        self._admitted = 0
+        self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+                         "prefill_chunks_total": 0, "decode_calls_total": 0}
+
+    # ------------------------------------------------------------------------------------- public
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def submit(self, prompt_ids: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queues a request; its tokens arrive through the returned handle. ValueError on bad input (an
+        empty prompt, a token id outside the vocabulary, prompt + max_tokens > max_len, a bad
+        sampling value); QueueFull when `max_waiting` requests already wait; RuntimeError after
+        `shutdown`."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check(self.vocab_size)
+        prompt = _token_ids(prompt_ids, self.vocab_size)
+        if len(prompt) + sampling.max_tokens > self.max_len:
+            raise ValueError(f"the prompt's {len(prompt)} tokens + max_tokens={sampling.max_tokens} exceed "
+                             f"max_len={self.max_len}")
+        seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**63))
+        key = np.asarray(jax.random.key_data(row_keys([seed], [prompt])[0]), np.uint32)
+        handle = RequestHandle(prompt.tolist(), sampling, request_id)
+        with self._lock:
+            if not self._admitting:
+                raise RuntimeError("the engine is shutting down: no new requests")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+            self.waiting.append(handle)
+            self._pending[handle.id] = (prompt, key)
+            self.counters["requests_total"] += 1
+            self._wake.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Ends the request (its handle finishes "cancelled") and frees its slot and pages; a request
+        already finished is left as it is."""
+        with self._lock:
+            if handle.finished:
+                return
+            self._cancelled.add(handle.id)
+            self._wake.notify()
+
+    def stats(self) -> dict[str, float]:
+        """Gauges (running, waiting, pages) and counters (requests, tokens, calls)."""
+        with self._lock:
+            running = sum(s is not None for s in self.slots)
+            return {"running": running, "waiting": len(self.waiting), "pages_used": self.pool.used,
+                    "pages_total": self.num_pages - 1, "page_size": self.page_size, **self.counters}
+
+    def start(self) -> None:
+        """Starts the loop thread (idempotent)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ling-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stops admitting (`submit` raises RuntimeError), lets the requests in flight finish for up to
+        `grace_s` seconds, cancels the rest (waiting ones included) and stops the loop thread."""
+        with self._lock:
+            self._admitting = False
+            self._drain_deadline = time.monotonic() + grace_s
+            self._wake.notify()
+            thread = self._thread
+        if thread is None:
+            self._finish_all("cancelled")
+            return
+        thread.join()
+
+    def warmup(self) -> None:
+        """Compiles every shape serving uses (each prefill chunk bucket and decode call, with and without
+        log-probabilities) on a scratch slot; nothing compiles after it."""
+        with self._mesh():
+            table = np.zeros(self.max_pages, np.int32)
+            for c in self.chunks:
+                for lp in (False, True):
+                    self.cache, self.staging, out = device.prefill_chunk(
+                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, table, np.int32(0),
+                        np.zeros(c, np.int32), np.int32(0), np.int32(1), np.zeros(c, np.int32),
+                        np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
+            for steps in sorted({1, self.decode_steps}):
+                for lp in (False, True):
+                    self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32))
+            jax.block_until_ready(out)
+
+    # ------------------------------------------------------------------------------------- loop
+    def _mesh(self) -> Any:
+        return jax.set_mesh(self.mesh) if self.mesh is not None else _nullcontext()
+
+    def _run(self) -> None:
+        with self._mesh():
+            try:
+                while self._iterate():
+                    pass
+            except Exception as e:  # a device or compiler failure: every request learns of it
+                self._finish_all("error", f"{type(e).__name__}: {e}")
+                raise
+
+    def _iterate(self) -> bool:
+        """One loop iteration: cancellations, admissions, prefill chunks, decode steps. False to stop."""
+        with self._lock:
+            self._apply_cancellations()
+            draining = not self._admitting
+            if draining:
+                for h in self.waiting:
+                    self._pending.pop(h.id, None)
+                    h.finish("cancelled")
+                self.waiting.clear()
+                if time.monotonic() >= self._drain_deadline:
+                    self._finish_all_locked("cancelled")
+                if all(s is None for s in self.slots):
+                    return False
+            self._admit()
+            if all(s is None for s in self.slots):
+                self._wake.wait(timeout=0.1)
+                return True
+        self._prefill()
+        self._decode_round()
+        return True
+
+    def _apply_cancellations(self) -> None:
+        if not self._cancelled:
+            return
+        for h in [h for h in self.waiting if h.id in self._cancelled]:
+            self.waiting.remove(h)
+            self._pending.pop(h.id, None)
+            h.finish("cancelled")
+        for i, s in enumerate(self.slots):
+            if s is not None and s.handle.id in self._cancelled:
+                self._release(i, "cancelled")
+        self._cancelled.clear()
+
+    def _admit(self) -> None:
+        """Free slots take waiting requests (in order) while the pool can promise their pages."""
+        while self.waiting and None in self.slots:
+            h = self.waiting[0]
+            need = -(-(len(h.prompt_ids) + h.sampling.max_tokens) // self.page_size)
+            if len(self.pool.free) - self.pool.reserved < need:
+                return
+            self.waiting.popleft()
+            prompt, key = self._pending.pop(h.id)
+            stop = frozenset(h.sampling.stop_token_ids) | (frozenset() if h.sampling.ignore_eos else self.eos)
+            self.pool.reserved += need
+            self._admitted += 1
+            self.slots[self.slots.index(None)] = _Slot(h, prompt, key, stop, need, order=self._admitted)
+            self.counters["prompt_tokens_total"] += len(prompt)
+
+    def _pages_for(self, slot: _Slot, tokens: int) -> None:
+        """Gives the slot pages for its first `tokens` positions (out of its reservation)."""
+        need = -(-tokens // self.page_size) - len(slot.pages)
+        if need > 0:
+            with self._lock:
+                slot.pages += self.pool.take(need)
+                self.pool.reserved -= need
+                slot.reserved -= need
+
+    def _table(self, slot: _Slot) -> np.ndarray:
+        row = np.zeros(self.max_pages, np.int32)
+        row[:len(slot.pages)] = slot.pages
+        return row
+
+    def _prefill(self) -> None:
+        """Prefill chunks of the slots still in their prompt, up to the token budget: one prompt at a time,
+        in the order of admission (the staging cache carries one prompt between its chunks)."""
+        budget = self.token_budget
+        for i in sorted((i for i, s in enumerate(self.slots) if s is not None and not s.decoding),
+                        key=lambda i: self.slots[i].order):
+            s = self.slots[i]
+            while s is not None and not s.decoding and budget > 0:
+                n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1])
+                c = next(c for c in self.chunks if c >= n)
+                start = s.prefilled
+                self._pages_for(s, start + n)
+                ids = np.zeros(c, np.int32)
+                ids[:n] = s.prompt[start:start + n]
+                want_lp = s.handle.sampling.prompt_logprobs is not None
+                targets = np.zeros(c, np.int32)
+                nxt = s.prompt[start + 1:start + n + 1]
+                targets[:len(nxt)] = nxt
+                sp = s.handle.sampling
+                self.cache, self.staging, out = device.prefill_chunk(
+                    self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self._table(s),
+                    np.int32(i), ids,
+                    np.int32(start), np.int32(n), targets, s.key, np.float32(sp.temperature),
+                    np.int32(min(sp.top_k, self.vocab_size)), np.float32(sp.top_p))
+                s.prefilled, s.length = start + n, start + n
+                budget -= n
+                self.counters["prefill_chunks_total"] += 1
+                out = jax.device_get(out)
+                if want_lp:
+                    self._prompt_logprobs(s, start, n, out)
+                if s.decoding:
+                    self._first_token(i, s, out)
+                s = self.slots[i]
+
+    def _prompt_logprobs(self, s: _Slot, start: int, n: int, out: dict[str, np.ndarray]) -> None:
+        """Records the log-probabilities of prompt tokens start + 1 .. start + n (the next ones) and,
+        at the prompt's start, the first token without one."""
+        k = s.handle.sampling.prompt_logprobs
+        got = s.handle.prompt_logprobs if s.handle.prompt_logprobs is not None else []
+        if start == 0:
+            got.append(TokenOutput(int(s.prompt[0])))
+        for j in range(min(n, len(s.prompt) - 1 - start)):
+            got.append(TokenOutput(int(s.prompt[start + 1 + j]), float(out["prompt_logprob"][j]),
+                                   _top(out["prompt_top_ids"][j], out["prompt_top_logprobs"][j], k)))
+        s.handle.prompt_logprobs = got
+
+    def _first_token(self, i: int, s: _Slot, out: dict[str, Any]) -> None:
+        if s.handle.sampling.max_tokens == 0:  # scoring only
+            self._release(i, "length")
+            return
+        self._emit(i, s, int(out["token"]), float(out["logprob"]), out["top_ids"], out["top_logprobs"])
+
+    def _emit(self, i: int, s: _Slot, token: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray) -> bool:
+        """Delivers one new token; releases the slot when the request is done. True while it runs."""
+        k = s.handle.sampling.logprobs
+        s.handle.push(TokenOutput(token, lp if k is not None else None,
+                                  _top(top_ids, top_lps, k) if k is not None else None))
+        s.emitted += 1
+        s.last = token
+        self.counters["generation_tokens_total"] += 1
+        if token in s.stop:
+            self._release(i, "stop")
+        elif s.emitted >= s.handle.sampling.max_tokens:
+            self._release(i, "length")
+        return self.slots[i] is s
+
+    def _decode_round(self) -> None:
+        """Decode steps for every slot past its prompt: several per call while no request waits to start."""
+        active = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.decoding]
+        if not active:
+            return
+        busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
+        room = min(s.handle.sampling.max_tokens - s.emitted for _, s in active)
+        steps = 1 if busy or room < self.decode_steps else self.decode_steps
+        table = np.zeros((self.max_batch, self.max_pages), np.int32)
+        for i, s in active:
+            self._pages_for(s, s.length + steps)
+            table[i] = self._table(s)
+        want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
+        self.cache, out = self._decode(steps, want_lp, table)
+        out = jax.device_get(out)
+        self.counters["decode_calls_total"] += 1
+        for i, s in active:
+            s.length += steps
+            for t in range(steps):
+                lp = (float(out["logprob"][t, i]), out["top_ids"][t, i], out["top_logprobs"][t, i]) if want_lp \
+                    else (0.0, None, None)
+                if not self._emit(i, s, int(out["tokens"][t, i]), *lp):
+                    break
+
+    def _decode(self, steps: int, want_lp: bool, table: np.ndarray) -> tuple[Any, Any]:
+        tokens, keys = np.zeros(self.max_batch, np.int32), np.zeros((self.max_batch, 2), np.uint32)
+        index, temp = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.float32)
+        top_k, top_p = np.zeros(self.max_batch, np.int32), np.ones(self.max_batch, np.float32)
+        for i, s in enumerate(self.slots):
+            if s is not None and s.decoding:
+                sp = s.handle.sampling
+                tokens[i], keys[i], index[i] = s.last, s.key, s.emitted
+                temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
+        return device.decode_steps(self.config, self.k_decode, steps, want_lp, self.params, self.cache, table,
+                                   tokens, keys, index, temp, top_k, top_p)
+
+    def _release(self, i: int, reason: str, error: str | None = None) -> None:
+        """Ends slot i's request and gives back its pages and unused reservation."""
+        s = self.slots[i]
+        self.slots[i] = None
+        if s is None:
+            return
+        self.pool.give_back(s.pages)
+        self.pool.reserved -= s.reserved
+        s.handle.finish(reason, error)  # type: ignore[arg-type]
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        with self._lock:
+            self._finish_all_locked(reason, error)
+
+    def _finish_all_locked(self, reason: str, error: str | None = None) -> None:
+        for h in self.waiting:
+            self._pending.pop(h.id, None)
+            h.finish(reason, error)  # type: ignore[arg-type]
+        self.waiting.clear()
+        for i in range(self.max_batch):
+            self._release(i, reason, error)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _top(ids: np.ndarray, lps: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    return tuple((int(a), float(b)) for a, b in zip(ids[:k], lps[:k], strict=True))
+
+
+def _token_ids(prompt: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """The prompt as int32 [T]; ValueError for an empty prompt or an id outside [0, vocab_size)."""
+    if isinstance(prompt, str | bytes):
+        raise ValueError("prompt_ids must be token ids, not text")
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"prompt_ids must be a 1-D sequence of integer token ids, got {arr.dtype}{list(arr.shape)}")
+    if arr.size == 0:
+        raise ValueError("the prompt is empty")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token id {int(bad[0])} outside [0, vocab_size={vocab_size})")
+    return arr.astype(np.int32)
+
+
