@@ -127,9 +127,10 @@ class Engine:
             self.k_decode: Kernels = select(config, dtype=dtype, decode=True, unroll=unroll_layers)
             self.params = jax.jit(fuse_for_decode, static_argnums=(0, 1))(config, self.k_decode, params)
             shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
-            self.cache = jax.jit(lambda: place(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)))()
             staging = paged_cache_shapes(config, 1, 1, page_size, dtype)
-            self.staging = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), staging))()
+            # committed to their devices, as every call's outputs are (else the first call compiles twice)
+            self.cache, self.staging = (_committed(jax.jit(lambda t=t: place(jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype), t)))()) for t in (shapes, staging))
         self.cache_bytes = nbytes(shapes)
         self.pool = PagePool(self.num_pages)
         self.slots: list[_Slot | None] = [None] * max_batch
@@ -166,7 +167,7 @@ class Engine:
             raise ValueError(f"the prompt's {len(prompt)} tokens + max_tokens={sampling.max_tokens} exceed "
                              f"max_len={self.max_len}")
         seed = sampling.seed if sampling.seed is not None else int(np.random.default_rng().integers(2**63))
-        key = np.asarray(jax.random.key_data(row_keys([seed], [prompt])[0]), np.uint32)
+        key = _key_data(seed, prompt)
         handle = RequestHandle(prompt.tolist(), sampling, request_id)
         with self._lock:
             if not self._admitting:
@@ -230,6 +231,7 @@ class Engine:
                 for lp in (False, True):
                     self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32))
             jax.block_until_ready(out)
+        _key_data(0, np.zeros(1, np.int32))  # the requests' key derivation
 
     # ------------------------------------------------------------------------------------- loop
     def _mesh(self) -> Any:
@@ -438,6 +440,16 @@ class _nullcontext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _committed(tree: Any) -> Any:
+    """`tree` with every array committed to the device(s) it is on."""
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding), tree)
+
+
+def _key_data(seed: int, prompt: np.ndarray) -> np.ndarray:
+    """A request's sampling key as uint32 key data: `generate`'s key for the same seed and prompt."""
+    return np.asarray(jax.random.key_data(row_keys([seed], [prompt]))[0], np.uint32)
 
 
 def _top(ids: np.ndarray, lps: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
