@@ -9,10 +9,14 @@ module probes the platform or the mesh to choose a path.
 What is chosen here and what at lowering time:
 - "auto" resolves here, for the platform the call runs on (`jax.default_backend()`, or the
   `platform` argument): the fastest path there that is exact for the config.
-- A kernel that is named ("pallas") keeps its name, and its backend is chosen when the program is
-  lowered (`jax.lax.platform_dependent`, in `ops.platform`): Triton on CUDA, Mosaic on TPU where
-  the kernel has a TPU form, the interpreter on CPU. So a model exported with `jax.export` for a
-  platform other than the host's (`kda_impl="pallas"`) carries that platform's kernels.
+- A kernel of the sequence forms (training, forward, prefill) that is named ("pallas") keeps its
+  name, and its backend is chosen when the program is lowered (`jax.lax.platform_dependent`, in
+  `ops.platform`): Triton on CUDA, Mosaic on TPU where the kernel has a TPU form, the interpreter
+  on CPU. So a model exported with `jax.export` for a platform other than the host's
+  (`kda_impl="pallas"`) carries that platform's kernels.
+- The decode step's kernels are GPU kernels (Triton): compiled where the record is for a GPU (the
+  host's platform, or `platform="gpu"`), interpreted elsewhere (`Launch.interpret`), with no
+  per-platform branch around each of the step's launches.
 
 Tuned constants (program counts sized for a GPU's SMs, the decode step's L2 prefetch, the size
 limits of the decode-sized paths) live in one table keyed by device kind, `TUNED`; `tuned(...)`
@@ -194,6 +198,8 @@ def select(cfg: LingConfig, *, dtype: Any, inference: bool = False, decode: bool
     gpu = plat == "gpu" and cc >= 8.0  # Triton's bf16 dots; other GPUs keep the XLA forms
     sharded = multi_device(context_mesh() if mesh is None else mesh)
     tuning = tuning_for(kind)
+    if tuning.launch.interpret is None:  # the decode kernels: compiled for a GPU, interpreted elsewhere
+        tuning = dataclasses.replace(tuning, launch=dataclasses.replace(tuning.launch, interpret=plat != "gpu"))
     auto_kda = bounded_gate(cfg.kda_lower_bound) and kda_supports(DEFAULT_CHUNK, cfg.head_dim, cfg.head_dim)
     kda = cfg.kda_impl if cfg.kda_impl != "auto" else ("pallas" if auto_kda and plat in ("gpu", "tpu") else "chunked")
     conv = "pallas" if kda == "pallas" and not sharded and short_conv.supports(cfg.kda_dim, 3) else "xla"

@@ -148,7 +148,8 @@ def route(x_ND: Rows, w_router: jax.Array | WeightStack, bias: jax.Array | Weigh
         if prefetch and logits_SNE.ndim == 2:  # the selection's decode-step form
             logits_SNE = logits_SNE[None]
         idx_NK, w_NK = select_experts(logits_SNE, bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch)
+                                      k=cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor, prefetch=prefetch,
+                                      interpret=kernels.tuning.launch.interpret)
     else:
         idx_NK, w_NK = select(logits_NE, bias.value() if isinstance(bias, WeightStack) else bias, cfg)
     return idx_NK, w_NK, logits_NE

@@ -312,6 +312,6 @@ def gathered_partials(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
         in_specs=[whole(a) for a in (idx_M, base, rows_op, x_RC, *pro, *weights, *extra_arrays)],
         out_specs=[pl.BlockSpec((None, None, bo), lambda mi, oi, si: (si, mi, oi)) for _ in weights],
         name="expert_gemv",
-        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
+        interpret=launch.interpret if interpret is None else interpret, num_warps=NUM_WARPS, num_stages=1,
     )(idx_M.astype(jnp.int32), base, rows_op, x_RC, *pro, *weights, *extra_arrays)
     return tuple(partials)

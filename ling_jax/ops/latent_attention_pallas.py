@@ -140,7 +140,7 @@ def _split_k(q_BHW: jax.Array, store_L_W: jax.Array, table_BN: jax.Array | None,
         in_specs=[whole(a) for a in operands],
         out_specs=[part, part, pl.BlockSpec((None, None, None, BH, rank), lambda bi, hi, si: (bi, si, hi, 0, 0))],
         name="latent_attention" if table_BN is None else "latent_attention_paged",
-        interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        interpret=launch.interpret if interpret is None else interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )(*operands)
     m_BSH = m_bsh.reshape(b, n_sp, hp)[..., :h]
     l_BSH = l_bsh.reshape(b, n_sp, hp)[..., :h]

@@ -55,6 +55,8 @@ class Launch:
     kda_programs: least programs of the KDA decode kernels (`ops.kda.decode*`: narrower V blocks below).
     latent_programs: programs the latent-attention kernel aims at (how finely it splits the cache).
     stack_programs: programs the few-row stack matmul aims at (`ops.stack_matmul`).
+    interpret: the kernels compiled (False), interpreted (True), or chosen where the program is lowered
+        (None, `triton_call`); a kernel's own `interpret` argument, where given, wins.
     """
 
     gemv_programs: int = 264
@@ -62,6 +64,7 @@ class Launch:
     kda_programs: int = 132
     latent_programs: int = 264
     stack_programs: int = 264
+    interpret: bool | None = None
 
 
 DEFAULT_LAUNCH = Launch()

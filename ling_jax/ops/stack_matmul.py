@@ -87,6 +87,6 @@ def partial_products(x_RC: jax.Array, stack_LCO: jax.Array, layer: int | jax.Arr
         in_specs=[whole(layer_1), whole(x), whole(stack_LCO)],
         out_specs=pl.BlockSpec((None, br, BO), lambda oi, si: (si, 0, oi)),
         name="stack_matmul",
-        interpret=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        interpret=launch.interpret if interpret is None else interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )(layer_1, x, stack_LCO)
     return parts[:, :r]

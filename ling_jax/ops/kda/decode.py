@@ -80,6 +80,6 @@ def kda_decode_step_pallas(
         out_specs=[vec_v, state],
         input_output_aliases={5: 1},
         name="kda_decode_step",
-        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
+        interpret=launch.interpret if interpret is None else interpret, num_warps=NUM_WARPS, num_stages=1,
     )(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH[..., None], state_BHKV.astype(jnp.float32))
     return o_BHV, s_BHKV

@@ -165,6 +165,6 @@ def kda_decode_layer(
                    pl.BlockSpec(cache.conv.shape[1:], lambda *_: (0, 0, 0))],
         input_output_aliases={len(operands) - 2: 2},
         name="kda_decode_layer",
-        interpret=interpret, num_warps=NUM_WARPS, num_stages=1,
+        interpret=launch.interpret if interpret is None else interpret, num_warps=NUM_WARPS, num_stages=1,
     )(*operands)
     return o, ss, dataclasses.replace(cache, state=state, window=window)
