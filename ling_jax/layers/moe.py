@@ -127,7 +127,7 @@ def expert_parallel(
             x_GD, idx_GK, w_GK = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_ND, idx_NK, w_NK))
             first = jax.lax.axis_index("expert") * wg_LDI.shape[0]
         y_GD = routed_partial(x_GD, idx_GK, w_GK, first, wg_LDI, wu_LDI, wd_LID, limit=limit, impl=local_impl,
-                              rows_only=False)
+                              rows_only=False, launch=kernels.tuning.launch)
         y_ND = jax.lax.psum_scatter(y_GD, "expert", scatter_dimension=0, tiled=True) if ep_on else y_GD
         if tp_on:
             y_ND = jax.lax.psum(y_ND, "tensor")
@@ -162,7 +162,7 @@ def moe(p: dict[str, Any], x: jax.Array, *, cfg: LingConfig, kernels: Kernels | 
         if not kernels.sharded:
             impl = kernels.moe_for(idx_NK.size)
             y_ND = routed_experts(x_ND, idx_NK, w_NK, p["gate_proj"], p["up_proj"], p["down_proj"],
-                                  limit=limit, impl=impl, rows_only=kernels.inference)
+                                  limit=limit, impl=impl, rows_only=kernels.inference, launch=kernels.tuning.launch)
             counts_E = expert_counts(idx_NK, p["gate_proj"].shape[0])
         else:
             y_ND, counts_E = expert_parallel(x_ND, idx_NK, w_NK, *(p[n] for n in EXPERT_LEAVES), limit=limit,

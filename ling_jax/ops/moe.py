@@ -111,20 +111,24 @@ def _row_mask(y_MN: jax.Array, group_sizes_G: jax.Array, full: bool = False) -> 
     return jnp.where(valid_M[:, None], y_MN, jnp.zeros((), y_MN.dtype))
 
 
-def _mosaic_gpu(call: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
-    """`call(*args)` of a Mosaic-GPU kernel, compiled where the program is lowered for CUDA (and the
-    GPU's SM count is known: JAX's kernels size their grids by it), else in the Mosaic-GPU interpreter."""
+def _mosaic_gpu(call: Callable[..., jax.Array], interpret: bool | None, *args: jax.Array) -> jax.Array:
+    """`call(*args)` of a Mosaic-GPU kernel: compiled or in the Mosaic-GPU interpreter as `interpret`
+    says, or (None) compiled where the program is lowered for CUDA (and the GPU's SM count is known:
+    JAX's kernels size their grids by it), interpreted elsewhere."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def interpreted(*a: jax.Array) -> jax.Array:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             return call(*a)
 
+    if interpret is not None:
+        return (interpreted if interpret else call)(*args)
     compiled = call if aligned_gmm.gpu_cores() else interpreted
     return on_platform(lambda p: compiled if p == "cuda" else interpreted, *args)
 
 
-def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
+def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool,
+                 interpret: bool | None) -> jax.Array:
     """ragged_dot_mgpu, shapes padded to the tiles: [M, K] x [G, K, N] (or [G, N, K]^T) -> [M, N]."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -137,10 +141,10 @@ def _mgpu_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_r
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N,
                              transpose_rhs=transpose_rhs)
-    return _mosaic_gpu(call, x, w)[:m, :n]
+    return _mosaic_gpu(call, interpret, x, w)[:m, :n]
 
 
-def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
+def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array, interpret: bool | None) -> jax.Array:
     """transposed_ragged_dot_mgpu: per group g, x[rows of g]^T @ dy[rows of g] -> [G, K, N]."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
@@ -151,7 +155,7 @@ def _mgpu_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
     call = functools.partial(transposed_ragged_dot_mgpu.transposed_ragged_dot, group_sizes=gs_G.astype(jnp.int32),
                              block_m=MGPU_BLOCK_M, block_n=MGPU_BLOCK_N, block_k=MGPU_BLOCK_K,
                              max_concurrent_steps=MGPU_STEPS, grid_block_n=MGPU_GRID_BLOCK_N)
-    return _mosaic_gpu(call, x, dy)[:, :k, :n]
+    return _mosaic_gpu(call, interpret, x, dy)[:, :k, :n]
 
 
 def _megablox():
@@ -159,30 +163,34 @@ def _megablox():
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
-def _megablox_call(call: Callable[..., jax.Array], *args: jax.Array) -> jax.Array:
-    """A megablox kernel compiled where the program is lowered for TPU, in interpret mode elsewhere."""
+def _megablox_call(call: Callable[..., jax.Array], interpret: bool | None, *args: jax.Array) -> jax.Array:
+    """A megablox kernel compiled or interpreted as `interpret` says, or (None) compiled where the program
+    is lowered for TPU, in interpret mode elsewhere."""
+    if interpret is not None:
+        return call(*args, interpret=interpret)
     compiled, interpreted = (functools.partial(call, interpret=i) for i in (False, True))
     return on_platform(lambda p: compiled if p == "tpu" else interpreted, *args)
 
 
-def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool) -> jax.Array:
+def _gmm_matmul(x_MK: jax.Array, w_GKN: jax.Array, gs_G: jax.Array, transpose_rhs: bool,
+                interpret: bool | None) -> jax.Array:
     megablox = _megablox()
     m, k = x_MK.shape
     n = w_GKN.shape[1] if transpose_rhs else w_GKN.shape[2]
     x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
     w = pad_axis(pad_axis(w_GKN, 1, GMM_TILE), 2, GMM_TILE)
     y = _megablox_call(functools.partial(megablox.gmm, preferred_element_type=x.dtype, tiling=(GMM_TILE,) * 3,
-                                         transpose_rhs=transpose_rhs), x, w, gs_G.astype(jnp.int32))
+                                         transpose_rhs=transpose_rhs), interpret, x, w, gs_G.astype(jnp.int32))
     return y[:m, :n]
 
 
-def _gmm_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array) -> jax.Array:
+def _gmm_dw(x_MK: jax.Array, dy_MN: jax.Array, gs_G: jax.Array, interpret: bool | None) -> jax.Array:
     megablox = _megablox()
     k, n = x_MK.shape[1], dy_MN.shape[1]
     x = pad_axis(pad_axis(x_MK, 0, GMM_TILE), 1, GMM_TILE)
     dy = pad_axis(pad_axis(dy_MN, 0, GMM_TILE), 1, GMM_TILE)
     dw = _megablox_call(functools.partial(megablox.tgmm, preferred_element_type=x.dtype, tiling=(GMM_TILE,) * 3),
-                        x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32))
+                        interpret, x.swapaxes(0, 1), dy, gs_G.astype(jnp.int32))
     return dw[:, :k, :n]
 
 
@@ -190,56 +198,58 @@ _MATMUL = {"mgpu": _mgpu_matmul, "gmm": _gmm_matmul}
 _DW = {"mgpu": _mgpu_dw, "gmm": _gmm_dw}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def kernel_ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, kernel: str,
-                      full: bool = False) -> jax.Array:
+                      full: bool = False, interpret: bool | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(x, w, group_sizes)` through a Pallas kernel ("mgpu" or "gmm"), differentiable.
 
     Backward: dX = the same kernel on dY with the weights transposed in the kernel, dW = the
     kernel's transposed grouped matmul (per group, X_g^T dY_g). Rows past sum(group_sizes) are
     zero in Y and in dX. `full`: the caller guarantees sum(group_sizes) = M (no masking passes).
+    `interpret`: the kernels compiled or interpreted (None: chosen where the program is lowered).
     """
-    return _row_mask(_MATMUL[kernel](x_MK, w_GKN, group_sizes_G, False), group_sizes_G, full)
+    return _row_mask(_MATMUL[kernel](x_MK, w_GKN, group_sizes_G, False, interpret), group_sizes_G, full)
 
 
-def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel, full):
-    y_MN, = keep(kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel, full))
+def _krd_fwd(x_MK, w_GKN, group_sizes_G, kernel, full, interpret):
+    y_MN, = keep(kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, kernel, full, interpret))
     return y_MN, (x_MK, w_GKN, group_sizes_G)
 
 
-def _krd_bwd(kernel, full, res, dy_MN):
+def _krd_bwd(kernel, full, interpret, res, dy_MN):
     x_MK, w_GKN, gs_G = res
     dy_MN = _row_mask(dy_MN.astype(x_MK.dtype), gs_G, full)
-    dx_MK = _row_mask(_MATMUL[kernel](dy_MN, w_GKN, gs_G, True), gs_G, full)
-    dw_GKN = _DW[kernel](x_MK, dy_MN, gs_G).astype(w_GKN.dtype)
+    dx_MK = _row_mask(_MATMUL[kernel](dy_MN, w_GKN, gs_G, True, interpret), gs_G, full)
+    dw_GKN = _DW[kernel](x_MK, dy_MN, gs_G, interpret).astype(w_GKN.dtype)
     return dx_MK, dw_GKN, None
 
 
 kernel_ragged_dot.defvjp(_krd_fwd, _krd_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, tiles: aligned_gmm.Tiles
-                       ) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def aligned_ragged_dot(x_SK: jax.Array, w_GKN: jax.Array, tile_group_T: jax.Array, tiles: aligned_gmm.Tiles,
+                       interpret: bool | None = None) -> jax.Array:
     """Row tile t of x times w[tile_group[t]] through `aligned_gmm` with `tiles` ([S, K] x [G, K, N]
     -> [S, N]), differentiable. The tiles must come in ascending group order, those of group -1
     (zero) last, as `sorted_rows(aligned=True)` lays them out: dW is `transposed_ragged_dot_mgpu`
     over the groups' whole tiles, taken to be contiguous. dX: the same kernel with the weights
-    transposed."""
-    return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T, tiles=tiles)
+    transposed. `interpret`: compiled or interpreted (None: chosen where the program is lowered)."""
+    return aligned_gmm.aligned_matmul(x_SK, w_GKN, tile_group_T, tiles=tiles, interpret=interpret)
 
 
-def _ard_fwd(x_SK, w_GKN, tile_group_T, tiles):
-    y_SN, = keep(aligned_ragged_dot(x_SK, w_GKN, tile_group_T, tiles))
+def _ard_fwd(x_SK, w_GKN, tile_group_T, tiles, interpret):
+    y_SN, = keep(aligned_ragged_dot(x_SK, w_GKN, tile_group_T, tiles, interpret))
     return y_SN, (x_SK, w_GKN, tile_group_T)
 
 
-def _ard_bwd(tiles, res, dy_SN):
+def _ard_bwd(tiles, interpret, res, dy_SN):
     x_SK, w_GKN, tile_group_T = res
     dy_SN = dy_SN.astype(x_SK.dtype)
-    dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True, tiles=tiles)
+    dx_SK = aligned_gmm.aligned_matmul(dy_SN, w_GKN, tile_group_T, transpose_rhs=True, tiles=tiles,
+                                       interpret=interpret)
     rows_G = counts(tile_group_T, w_GKN.shape[0]) * tiles.m
-    return dx_SK, _mgpu_dw(x_SK, dy_SN, rows_G).astype(w_GKN.dtype), None
+    return dx_SK, _mgpu_dw(x_SK, dy_SN, rows_G, interpret).astype(w_GKN.dtype), None
 
 
 aligned_ragged_dot.defvjp(_ard_fwd, _ard_bwd)
@@ -247,24 +257,25 @@ aligned_ragged_dot.defvjp(_ard_fwd, _ard_bwd)
 
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *, impl: str,
                    full: bool = False, tile_group_T: jax.Array | None = None,
-                   tiles: aligned_gmm.Tiles = aligned_gmm.TILES) -> jax.Array:
+                   tiles: aligned_gmm.Tiles = aligned_gmm.TILES, interpret: bool | None = None) -> jax.Array:
     """Rows sorted by group: row block g of x times w[g]; [M, K] x [G, K, N] -> [M, N] in x's dtype.
 
     Rows past sum(group_sizes) are zero. `impl`: "ragged", "aligned", "mgpu" or "gmm" (see the
     module doc); `full`: the caller guarantees sum(group_sizes) = M. "aligned" takes the rows in
     whole tiles of `tiles.m` per group (`sorted_rows(aligned=True)`, which also picks `tiles`):
     `tile_group_T` names each tile's group (group_sizes are not used; every row of a group's tiles
-    is computed).
+    is computed). `interpret`: the kernels compiled or interpreted (None: chosen where the program is
+    lowered).
     """
     w_GKN = w_GKN.astype(x_MK.dtype)
     if impl == "aligned":
         if tile_group_T is None:
             raise ValueError("grouped_matmul impl='aligned' needs tile_group_T (rows laid out by sorted_rows)")
-        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T, tiles)
+        return aligned_ragged_dot(x_MK, w_GKN, tile_group_T, tiles, interpret)
     if impl == "ragged":
         return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
     if impl in KERNELS:
-        return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl, full)
+        return kernel_ragged_dot(x_MK, w_GKN, group_sizes_G, impl, full, interpret)
     raise ValueError(f"grouped_matmul impl={impl!r}: must be 'ragged', 'aligned' or one of {KERNELS}")
 
 
@@ -279,7 +290,7 @@ def combine(y_NKD: jax.Array, w_NK: jax.Array, dtype: jnp.dtype) -> jax.Array:
 def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, limit: jax.Array | float, impl: str = "ragged",
                       full: bool = False, tile_group_T: jax.Array | None = None,
-                      tiles: aligned_gmm.Tiles = aligned_gmm.TILES) -> jax.Array:
+                      tiles: aligned_gmm.Tiles = aligned_gmm.TILES, interpret: bool | None = None) -> jax.Array:
     """SwiGLU of rows already sorted by expert: [M, D] -> [M, D]; group_sizes [E] sum to <= M.
 
     Rows past sum(group_sizes) come out zero; `full`: the caller guarantees they sum to M.
@@ -287,7 +298,7 @@ def expert_ffn_sorted(x_MD: jax.Array, group_sizes_E: jax.Array, w_gate: jax.Arr
     `sorted_rows(aligned=True)` (padding rows must be zero: they then stay zero through the SwiGLU).
     """
     mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_E, impl=impl, full=full,
-                           tile_group_T=tile_group_T, tiles=tiles)
+                           tile_group_T=tile_group_T, tiles=tiles, interpret=interpret)
     return mm(swiglu_act(mm(x_MD, w_gate), mm(x_MD, w_up), limit), w_down)
 
 
@@ -409,10 +420,10 @@ def routed_partial(
     cap = n * min(k, n_local)  # a token picks k distinct experts: at most min(k, L) of them here
     rows = sorted_rows(key_M, n_local, cap, aligned=impl == "aligned")
     # its matmuls never mix rows nor read the tail tiles; nothing downstream is differentiated
-    x_SD = dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only and impl == "aligned")
+    x_SD = dispatch(x_ND, rows.copy_S, rows.slot_M, rows_only and impl == "aligned", launch.interpret)
     y_SD = expert_ffn_sorted(x_SD, rows.group_sizes_L, w_gate_LDI, w_up_LDI, w_down_LID, limit, impl,
                              full=all_local and cap == n * k,
-                             tile_group_T=rows.tile_group_T, tiles=rows.tiles)
+                             tile_group_T=rows.tile_group_T, tiles=rows.tiles, interpret=launch.interpret)
     return combine(undispatch(y_SD, rows.copy_S, rows.slot_M).reshape(n, k, -1), w_NK, jnp.float32)
 
 
@@ -524,18 +535,19 @@ def _copies_of(y_SD: jax.Array, slot_M: jax.Array) -> jax.Array:
     return jnp.where((slot_M < y_SD.shape[0])[:, None], got, jnp.zeros((), y_SD.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array, rows_only: bool = False) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def dispatch(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array, rows_only: bool = False,
+             interpret: bool | None = None) -> jax.Array:
     """The grouped matmul's rows [S, D]: row s holds token copy copy_S[s] (a token has k = M / N
     copies), zero where it holds none.
 
     `rows_only` (for a consumer that never mixes rows and reads back only the copies' rows, and
-    that nothing differentiates: the aligned grouped matmuls under `inference()`): the rows holding
-    no copy are left unwritten (`ops.row_scatter`, one kernel writing M rows instead of a gather
-    writing S). Under differentiation of x they stay zero; a gradient of the consumer's weights
-    alone would meet the unwritten rows, hence `inference()`."""
+    that nothing differentiates: the aligned grouped matmuls of a prefill or decode step): the rows
+    holding no copy are left unwritten (`ops.row_scatter`, one kernel writing M rows instead of a
+    gather writing S; `interpret` as the other kernels). Under differentiation of x they stay zero;
+    a gradient of the consumer's weights alone would meet the unwritten rows, hence the flag."""
     if rows_only and row_scatter.supported(x_ND.shape[1]):
-        return row_scatter.scatter_rows(x_ND, slot_M, copy_S.shape[0])
+        return row_scatter.scatter_rows(x_ND, slot_M, copy_S.shape[0], interpret=interpret)
     return _zero_padded(x_ND, copy_S, slot_M)
 
 
@@ -546,12 +558,12 @@ def _zero_padded(x_ND: jax.Array, copy_S: jax.Array, slot_M: jax.Array) -> jax.A
     return jnp.where((copy_S < m)[:, None], got, jnp.zeros((), x_ND.dtype))
 
 
-def _dispatch_fwd(x_ND, copy_S, slot_M, rows_only):
+def _dispatch_fwd(x_ND, copy_S, slot_M, rows_only, interpret):
     x_SD, = keep(_zero_padded(x_ND, copy_S, slot_M))
     return x_SD, (x_ND.shape[0], slot_M)
 
 
-def _dispatch_bwd(rows_only, res, dy_SD):
+def _dispatch_bwd(rows_only, interpret, res, dy_SD):
     n, slot_M = res
     dx_ND = _copies_of(dy_SD, slot_M).reshape(n, -1, dy_SD.shape[-1]).sum(axis=1, dtype=jnp.float32)
     return dx_ND.astype(dy_SD.dtype), None, None
