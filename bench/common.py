@@ -85,9 +85,9 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     timed on the device (its kernels' time in a `jax.profiler` trace of 3 calls), or by the wall
     clock where the trace has no device plane (CPU).
 
-    Not the wall clock of a bf16 `a * 2` pass: that gives 2.3-2.9 TB/s on an H200, where the
-    device-timed copy moves 4.26 TB/s and a read-only sum 4.65 TB/s (`bench/experiments/gemv_layout.py`,
-    BENCHMARKS.md): the wall clock of one short call counts its dispatch and the clocks' ramp-up."""
+    Not the wall clock of a bf16 `a * 2` pass, which reads far below the device-timed copy: the wall
+    clock of one short call counts its dispatch and the clocks' ramp-up (docs/decode-performance.md,
+    "Measuring a decode step"; BENCHMARKS.md, "Copy bandwidth")."""
     n = int(gib * (1 << 30)) // 2
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     f = jax.jit(jnp.copy)

@@ -97,7 +97,7 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bo
     """FLA's side, in its own process: autotune (first calls) for each head count, archiving Triton's
     autotuning results after each; then, when the JAX side says go, time FLA and compute its outputs
     on our inputs. `tune_only`: stop after the autotune (a device call of its own, whose archive the
-    next call restores: FLA's first-call autotune takes ~5 minutes per head count on the H200)."""
+    next call restores: FLA's first-call autotune takes minutes per head count, BENCHMARKS.md)."""
     import torch
     import triton
     from fla.ops.kda import chunk_kda
@@ -157,8 +157,8 @@ def fla_worker(heads: list[int], seq: int, dk: int, out_dir: Path, tune_only: bo
             o, _ = call(*xs)
             return torch.autograd.grad(o, xs, do, allow_unused=True)
 
-        # three rounds: FLA's H=16 medians varied 0.94-1.75 ms between device calls; the spread in one
-        # call shows whether that is noise within a run
+        # three rounds: FLA's H=16 medians vary widely between device calls; the spread in one call
+        # shows whether that is noise within a run
         rounds = {name: [triton.testing.do_bench(f, warmup=100, rep=500, return_mode="median") for _ in range(3)]
                   for name, f in (("fwd", fwd), ("fwdbwd", fwdbwd))}
         res[f"H{h}"] = {f"{name}_ms": float(np.median(r)) for name, r in rounds.items()}

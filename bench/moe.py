@@ -98,7 +98,7 @@ def bench_shape(cfg: LingConfig, n: int, impls: list[str], backward: bool, dtype
                            "empty_experts": int((counts == 0).sum())}
 
     # dense matmul of the same FLOPs: [N*k, D] x [D, 3I], timed before and after the implementations
-    # (its rate moved by up to 20% between device calls); ratios use the faster of the two
+    # (its rate moves between device calls); ratios use the faster of the two
     a_MD = jax.random.normal(keys[5], (n * k, d), dtype)
     b_DF = (jax.random.normal(keys[2], (d, 3 * i), dtype) * d**-0.5).astype(dtype)
     dense = jax.jit(lambda a, b: a @ b)

@@ -75,7 +75,8 @@ def limit_malloc_arenas(n: int = 2) -> None:
 
     Tensorstore writes from many I/O threads; with glibc's default of up to 8 arenas per core,
     each keeps freed tensor-sized blocks resident, and the peak RSS then grows with the number of
-    tensors. With 2 arenas the peak stays a small multiple of the largest tensor (BENCHMARKS.md).
+    tensors. With 2 arenas the peak stays a small multiple of the largest tensor (BENCHMARKS.md,
+    "Checkpoint conversion").
     No-op where `mallopt` is unavailable.
     """
     import ctypes

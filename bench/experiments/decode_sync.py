@@ -4,11 +4,11 @@
     python3 bench/experiments/decode_sync.py --smoke --out /tmp/decode_sync.json         # CPU, debug preset
 
 XLA runs a `lax.while_loop` on the GPU by copying its predicate to the host after every iteration
-and launching the next, and a `lax.cond` (greedy or sampled, `generate.sample`) the same way. The
-same decode step (`generate.decode_step`, Ling-3.0-tiny shape, random bf16 weights, 1k context,
+and launching the next, and a `lax.cond` (greedy or sampled, `ling_jax.decode.sample`) the same way. The
+same decode step (`ling_jax.decode.decode_step`, Ling-3.0-tiny shape, random bf16 weights, 1k context,
 `--steps` tokens per call, each call continuing the cache) in four loops:
 
-    cond     while_loop, sampling through `generate.sample`'s cond (temperature 0): two round trips
+    cond     while_loop, sampling through `decode.sample`'s cond (temperature 0): two round trips
     greedy   while_loop, argmax: one round trip per step
     fori     fori_loop with a static trip count: XLA runs it without reading the predicate back
     grouped  while_loop over groups of `--group` steps, each a static fori_loop: one per group

@@ -4,8 +4,8 @@
     python3 bench/experiments/gemv_layout.py --smoke --out /tmp/gl.json      # CPU (interpret), seconds
 
 The decode step's projections (x [1, C] @ w [C, O]) cost only the weight's read, yet in the batch-1
-profiles the gemv kernel reads at 2.2-2.6 TB/s where XLA's lm_head product reads 483 MB at 4.4
-TB/s (docs/decode-performance.md). This times, per projection shape, one jitted call of `--calls`
+profiles the gemv kernel reads well below the rate of XLA's lm_head product (docs/decode-performance.md).
+This times, per projection shape, one jitted call of `--calls`
 independent instances (distinct weights, more bytes in all than L2 holds; us per instance = the
 call's median / calls; with `--trace DIR` also the kernels' device time per instance, from a
 `jax.profiler` trace: wall clock on calls this short counts dispatch and clock ramp-up too):

@@ -6,9 +6,9 @@
         --between-mb 0 42 --out $OUT/l2_window_inkernel_h200.json
     python3 bench/experiments/l2_window.py --smoke --out /tmp/l2w.json                 # CPU (interpreter)
 
-Why: a batch-1 decode step spends ~40% of its device time in kernels that move few bytes (the KDA
-recurrence, the router's selection, norms, partial sums: 1-5 us each, docs/decode-performance.md),
-while its weight products stream at ~2.2-2.6 TB/s. If the next product's weight could be read into
+Why: a batch-1 decode step spends a large share of its device time in kernels that move few bytes
+(the KDA recurrence, the router's selection, norms, partial sums; BENCHMARKS.md, "Where a batch-1
+step goes"), while its weight products stream below the HBM rate. If the next product's weight could be read into
 the L2 cache during those kernels, the product would read it from L2 and the step would approach
 the byte floor. Nothing inside one XLA stream overlaps two kernels, so the read must be a kernel of
 its own that the command buffer may run beside them: XLA schedules a CUDA graph's independent

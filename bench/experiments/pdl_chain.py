@@ -3,15 +3,16 @@
     python3 bench/experiments/pdl_chain.py --out $OUT/pdl_chain_h200.json   # the GPU run
     python3 bench/experiments/pdl_chain.py --smoke --out /tmp/pdl.json     # CPU (Mosaic-GPU interpreter)
 
-Why: a batch-1 decode step is ~400 kernels, one after another, and a single launch reads a decode
-weight at no more than ~3.3 TB/s because it spends microseconds filling and draining the GPU; a
-persistent kernel with grid-wide barriers did not help in Pallas-Triton (`bench/experiments/persistent_layer.py`,
-docs/decode-performance.md). PDL is the hardware's own answer: a kernel launched with programmatic
-stream serialization may start while the kernel before it is still running, and blocks at
-`griddepcontrol.wait` only where it first reads that kernel's output. JAX's Mosaic GPU kernels
-expose it (`plgpu.griddepcontrol_wait`, `plgpu.griddepcontrol_launch_dependents`; a kernel that
-waits is marked `uses_pdl`); a Pallas-Triton kernel can issue the same instructions by inline
-assembly (`triton_rows_gemv`), and XLA then launches it with PDL.
+Why: a batch-1 decode step is hundreds of kernels, one after another, and a single launch reads a
+decode weight well below the copy rate because it spends microseconds filling and draining the GPU
+(BENCHMARKS.md, "Measured bounds on batch-1 decode"); a persistent kernel with grid-wide barriers
+did not help in Pallas-Triton (`bench/experiments/persistent_layer.py`, docs/decode-performance.md).
+PDL is the hardware's own answer: a kernel launched with programmatic stream serialization may start
+while the kernel before it is still running, and blocks at `griddepcontrol.wait` only where it first
+reads that kernel's output. JAX's Mosaic GPU kernels expose it (`plgpu.griddepcontrol_wait`,
+`plgpu.griddepcontrol_launch_dependents`; a kernel that waits is marked `uses_pdl`); a Pallas-Triton
+kernel can issue the same instructions by inline assembly (`triton_rows_gemv`), and XLA then
+launches it with PDL.
 
 `rows_gemv` is a matrix-vector product for that: w [O, C] (the checkpoint's layout), one program
 per 64 rows and per `split` of C, each streaming its [64, tk] weight tiles by TMA through a ring of

@@ -148,9 +148,9 @@ def chain_xla(x_D: jax.Array, p: dict[str, jax.Array], dims: Dims, precision: An
 # How the programs of a persistent launch share data (module constants, so that `--check-protocols`
 # can try each): WRITE "store" (plain stores) or "atomic" (exchanges); ACQUIRE "own" (after the
 # spin, +0 on this program's own flag) or "all" (+0 on every flag at once: a vector atomic, which
-# the H200 check found broken); READ "plain" loads (every stage output has its own buffer per layer,
+# the check on the GPU found broken); READ "plain" loads (every stage output has its own buffer per layer,
 # so no line of it is read before its barrier: nothing stale in L1), "volatile" or "atomic" (+0).
-# The defaults are what the check found exact on an H200 (docs/decode-performance.md).
+# The defaults are what the check found exact on the GPU (docs/decode-performance.md).
 WRITE = "store"
 ACQUIRE = "own"
 READ = "plain"

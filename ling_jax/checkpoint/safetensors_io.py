@@ -1,10 +1,11 @@
 """Reading and writing safetensors files tensor by tensor, FP8 included.
 
-The `safetensors` package cannot read F8_E4M3 (toolchain.md §5), so reading is done here: the file
-is an 8-byte little-endian header length, a JSON header of `{name: {dtype, shape, data_offsets}}`,
-then raw little-endian data. Each tensor is a zero-copy `np.memmap` view, so a checkpoint of any
-size is read one tensor at a time. Headers are validated against the file size up front, so a
-truncated file fails before anything is loaded, naming the file and the first tensor it lacks.
+The `safetensors` package cannot read F8_E4M3 (its numpy loader knows no float8 dtype), so reading
+is done here: the file is an 8-byte little-endian header length, a JSON header of
+`{name: {dtype, shape, data_offsets}}`, then raw little-endian data. Each tensor is a zero-copy
+`np.memmap` view, so a checkpoint of any size is read one tensor at a time. Headers are validated
+against the file size up front, so a truncated file fails before anything is loaded, naming the file
+and the first tensor it lacks.
 """
 
 from __future__ import annotations

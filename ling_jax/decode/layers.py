@@ -205,7 +205,7 @@ def kda(p: dict[str, Any], x_B1D: Rows, cache: dict[str, jax.Array] | KdaCacheSt
             qkv = jnp.concatenate([lin(x, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
             f, z, bl = _proj(x, p, "f", lin), _proj(x, p, "g", lin), lin(x, p["b_proj"])
         # keep the projections out of the fusion that stacks every layer's new conv window (one
-        # fused loop there was slower than the step without it)
+        # fused loop there is slower than the step without it)
         qkv = jax.lax.optimization_barrier(qkv)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
     qkv, conv_state = kda_layers.short_conv(qkv, w_3PW, cache["conv"])

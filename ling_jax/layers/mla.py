@@ -79,10 +79,10 @@ def mla_mixer(
     the expanded form runs the fused kernels where `kernels.attention` is "pallas" (it requires them).
     `absorbed`: attend over the latent rows as the decode step does (§5.1: W_UK folded into the
     query, W_UV after the weighted sum) instead of expanding per-head K/V. The same function; the
-    expanded form is the faster one over sequences (`bench/prefill_mla.py`, BENCHMARKS.md), so prefill
-    and training run it. `past_BSW` (absorbed only): the cached latent rows [B, S, r + d_r] of the
-    tokens before x (a prefill chunk continuing a sequence); the keys are then [past ‖ x] and
-    `mask_BTS` is [B, T, S + T].
+    expanded form is the faster one over sequences (BENCHMARKS.md, "Prefill attention: expanded vs
+    absorbed vs fused MLA"), so prefill and training run it. `past_BSW` (absorbed only, else
+    ValueError): the cached latent rows [B, S, r + d_r] of the tokens before x (a prefill chunk
+    continuing a sequence); the keys are then [past ‖ x] and `mask_BTS` is [B, T, S + T].
     """
     if past_BSW is not None and not absorbed:
         raise ValueError("mla_mixer: past latent rows are attended in the absorbed form (absorbed=True)")

@@ -1,13 +1,15 @@
 """Grouped matmul over rows laid out in whole tiles per group: a persistent, warp-specialised Mosaic
 GPU kernel for Hopper (sm90).
 
-The MoE dispatch (ops/moe.py, impl "aligned") places each expert's token copies at a multiple of
-`Tiles.m` rows, the rest of its last tile zero. Every row tile then belongs to exactly one expert,
-named by a table `tile_group_T` (-1: a tile past the last expert's, written as zeros), so the
-kernel needs no per-tile search over the groups and no partial stores — unlike JAX's
+The MoE dispatch (ops/moe.py, impl "aligned": what `kernels.moe_impls` resolves "auto" to beyond the
+decode sizes on an sm90 GPU with 16-bit activations) places each expert's token copies at a multiple
+of `Tiles.m` rows, the rest of its last tile zero. Every row tile then belongs to exactly one
+expert, named by a table `tile_group_T` (-1: a tile past the last expert's, written as zeros), so
+the kernel needs no per-tile search over the groups and no partial stores — unlike JAX's
 `ragged_dot_mgpu`, whose tiles straddle groups (an unrolled loop over all G groups per tile, a
-ladder of TMA stores per tile, the pipeline restarted per tile: 0.43 of a dense matmul's rate on an
-H200 where the contraction is 512 wide, BENCHMARKS.md).
+ladder of TMA stores per tile, the pipeline restarted per tile), which keeps that kernel far below a
+dense matmul's rate where the contraction is short (docs/kernels.md, "MoE aligned grouped matmul";
+figures: BENCHMARKS.md, "MoE: routed experts, one layer").
 
 Structure (after JAX's `hopper_matmul_mgpu`): one program per SM loops over the output tiles; a
 memory warpgroup streams [m, k] tiles of x and [k, 2n] tiles of w[group] through
@@ -52,12 +54,11 @@ class Tiles:
 
 TILES = Tiles()  # many copies per expert (training, prefill)
 # A few copies per expert (decode): half-height row tiles halve the zero rows the dispatch writes and
-# the kernel reads, and narrower column tiles spread one expert's weights over more SMs. H200,
-# Ling-3.0-tiny's MoE at 16 tokens x top-8 (`bench/moe_tiles.py --tokens 16`, device time): gate
-# 55.3 -> 43.1 us, down 54.9 -> 46.4 us; at 128 tokens 70.3 -> 59.1 and 71.0 -> 62.9 us.
+# the kernel reads, and narrower column tiles spread one expert's weights over more SMs (BENCHMARKS.md,
+# "MoE: routed experts, one layer", decode-sized calls).
 DECODE_TILES = Tiles(m=64, n=64)
-# token copies per call up to which `tiles_for` picks DECODE_TILES: at 4,096 copies they were still
-# faster (gate 71.8 -> 60.8 us, down 74.1 -> 67.9 us), at 16,384 slower (90.3 -> 97.3, 92.8 -> 117.3)
+# token copies per call up to which `tiles_for` picks DECODE_TILES: the largest count at which they
+# beat TILES (docs/decode-performance.md, "Batches 16 and 128")
 DECODE_MAX_ROWS = 4096
 INTERPRET_PROGRAMS = 4  # programs (SMs) simulated off GPU
 
@@ -213,7 +214,7 @@ def tile_layout(group_sizes_G: jax.Array, num_tiles: int, tile_m: int = TILES.m)
     end_G = jnp.cumsum(tiles_G)
     t_T = jnp.arange(num_tiles, dtype=end_G.dtype)
     # every tile against every group end at once: the default ("scan") is a while loop of log2(G)
-    # steps, each waiting on the host on a GPU (H200, batch-16 decode: 8.59 -> 7.92 ms per step)
+    # steps, each waiting on the host on a GPU (docs/decode-performance.md)
     group_T = jnp.searchsorted(end_G, t_T, side="right", method="compare_all").astype(jnp.int32)
     return (end_G - tiles_G).astype(jnp.int32), jnp.where(t_T < end_G[-1], group_T, -1)
 

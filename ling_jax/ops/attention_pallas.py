@@ -1,11 +1,10 @@
 """Fused causal softmax attention of MLA prefill and training (flash attention, forward and backward).
 
 `ops.attention.attention` materialises the [B, H, T, T] scores, their mask and their softmax in HBM
-(at Ling-3.0-tiny training shapes ~40 ms per MLA layer and step on an H200). These kernels keep
-them on chip: the forward streams key blocks past a block of queries with an online softmax and
-stores only the output and each row's log-sum-exp; the backward recomputes the probabilities
-block by block (FlashAttention-2: one launch for dK/dV over key blocks, one for dQ over query
-blocks).
+(BENCHMARKS.md, "MLA attention: fused kernels"). These kernels keep them on chip: the forward
+streams key blocks past a block of queries with an online softmax and stores only the output and
+each row's log-sum-exp; the backward recomputes the probabilities block by block
+(FlashAttention-2: one launch for dK/dV over key blocks, one for dQ over query blocks).
 
 MLA specifics: the query/key head dim is nope + rope (128 + 64 in Ling), so the nope and rope parts
 are separate operands (Triton tiles are powers of two), and the rope key is one per token shared by
@@ -21,7 +20,9 @@ are skipped, so packed documents cost only their own causal triangles. A query t
 XLA path's uniform softmax would pass its cotangent on to every value): only rows that see a key
 agree between the two, which is all a masked loss reads.
 
-Triton lowering on GPU (powers-of-two head dims, `supported`); interpret mode elsewhere (tests).
+`layers.mla.mla_mixer` runs them where the `Kernels` record's `attention` is "pallas". Triton where
+the program is lowered for a GPU (powers-of-two head dims, `supported`); interpret mode elsewhere
+(tests).
 """
 
 from __future__ import annotations
@@ -48,15 +49,16 @@ class Blocks:
 
     bq: int = 128
     bk: int = 64
-    # tiles timed on an H200 at the Ling-3.0-tiny training shape (bench/mla_attention.py, fwd+bwd):
-    bq_dkv: int = 32  # 5.69 ms (64: 6.19)
-    bk_dkv: int = 64  # (128 with 8 warps: 6.15)
-    bq_dq: int = 64  # (128 with 8 warps: 5.94 at bk_dq 32)
-    bk_dq: int = 32  # 5.46 ms (64: 5.69)
+    # the backward's tiles and the stages: the fastest forward + backward at the Ling-3.0-tiny training
+    # shape (docs/kernels.md, "MLA fused attention")
+    bq_dkv: int = 32
+    bk_dkv: int = 64
+    bq_dq: int = 64
+    bk_dq: int = 32
     warps_fwd: int = 8
     warps_dkv: int = 4
     warps_dq: int = 4
-    stages: int = 3  # (2 stages: 9.2 vs 8.4 ms with the query-major dK/dV kernel of fb77d29)
+    stages: int = 3
 
     def __post_init__(self) -> None:
         if not all(is_pow2(b) and b >= 16 for b in self.tiles):

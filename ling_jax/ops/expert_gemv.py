@@ -1,22 +1,25 @@
 """Decode-sized routed-expert products as a Pallas kernel: each token copy's expert weights read by rows.
 
 At decode a MoE layer sees a few token copies (N tokens x k choices), so its expert products are
-weight-vector products whose whole cost is reading the chosen experts' weights. XLA lowers them to
-a reduction whose fused gather walks every [C, O] weight column by column (0.36 TB/s on an H200,
-BENCHMARKS.md). Here every program reads one [BC, BO] tile of one copy's expert as contiguous
-rows, multiplies it by that copy's BC inputs and sums over BC in float32. The grid is (copy,
-output tile, input tile): the reduction is split across programs so that even one copy keeps
-every SM streaming, and the [S, M, O] partial sums (S = C / BC, a few hundred KB) are added by XLA
-(or by their consumer, `gathered_partials`). Programs that loop over several tiles of C (fewer,
-larger programs, Triton's pipelined loads) measured slower in the batch-1 decode step (BENCHMARKS.md).
+weight-vector products whose whole cost is reading the chosen experts' weights. XLA lowers them to a
+reduction whose fused gather walks every [C, O] weight column by column, far below the HBM rate.
+Here every program reads one [BC, BO] tile of one copy's expert as contiguous rows, multiplies it by
+that copy's BC inputs and sums over BC in float32. The grid is (copy, output tile, input tile): the
+reduction is split across programs so that even one copy keeps every SM streaming, and the [S, M, O]
+partial sums (S = C / BC, a few hundred KB) are added by XLA (or by their consumer,
+`gathered_partials`). One tile per program: programs that loop over several tiles of C (fewer,
+larger programs, Triton's pipelined loads) are slower in the batch-1 decode step
+(docs/decode-performance.md, "The batch-1 step: what the kernels buy").
 
-Triton lowering on GPU; interpret mode elsewhere (tests). Tiles are powers of two (Triton's rule)
-dividing C and O; `supported` says whether a shape has them. `ops.moe` runs it as `impl="gemv"`.
-The weights must be dense arrays: with FP8-resident weights the layer would first dequantize every
-expert (XLA fuses that into its own gather, so `gather` reads only the chosen FP8 experts). On an
-H200, a Ling-3.0-tiny MoE layer at batch 1 takes 28 us here against 115 us for `gather`
-(`bench/decode_kernels.py`, BENCHMARKS.md) — when the weights come whole (`ops.moe.ExpertStack`):
-XLA copies a sliced weight stack before any custom call, 201 MB per weight per step.
+Triton on a GPU, interpret mode elsewhere (`Launch.interpret`, or the `interpret` argument). Tiles
+are powers of two (Triton's rule) dividing C and O; `supported` says whether a shape has them.
+`ops.moe` runs it as `impl="gemv"`, which the `Kernels` record picks for decode-sized calls where
+the decode step hands the routed experts over as stacks (`Kernels.expert_stacks`); the decode step's
+projections run it through `ops.layer_gemv`. The weights must be dense arrays: with FP8-resident
+weights the layer would first dequantize every expert (XLA fuses that into its own gather, so
+`gather` reads only the chosen FP8 experts). It pays only when the weights come whole
+(`ops.moe.ExpertStack`): XLA copies a sliced weight stack whole before any custom call. Figures:
+BENCHMARKS.md, "Decode kernels alone" and "Where a batch-1 step goes".
 """
 
 from __future__ import annotations
@@ -60,15 +63,15 @@ class _PendingNorm:
 class NormedRows(_PendingNorm):
     """`rms_norm(x, weight[layer], eps)` not yet applied: rows for the kernel to normalise as it reads
     them (`gathered_partials`), so that a decode step's RMSNorm costs no launch of its own. Each
-    row's sum of squares comes with them (`normed_rows` reduces it in XLA): a program that summed its
-    row's squares itself took 1.4-1.8 us longer on a 30 MB weight (H200, BENCHMARKS.md). The norm
+    row's sum of squares comes with them (`normed_rows` reduces it in XLA), since every program summing
+    its row's squares itself is slower (docs/decode-performance.md, "Norms in the gemv prologue"). The norm
     weight stays in its segment's [L, C] stack (a sliced operand of a custom call is copied). Other
     consumers take `value()`. Indexing and reshapes apply to x and keep its last axis."""
 
     x: jax.Array  # [..., C] the rows before the norm
     weight: jax.Array  # [L, C] the norm weights of a segment's layers
     layer: jax.Array  # int32 scalar, the index of this layer's weight in `weight`
-    ss: jax.Array  # [..., 1] float32, `layers.norms.sum_squares(x)`
+    ss: jax.Array  # [..., 1] float32, `ops.norms.sum_squares(x)`
     eps: float = dataclasses.field(metadata={"static": True})
 
     def value(self) -> jax.Array:
@@ -95,7 +98,7 @@ def normed_rows(x: jax.Array, weight: jax.Array, layer: jax.Array, eps: float) -
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GatedRows(_PendingNorm):
-    """A KDA layer's output with its gated output norm not yet applied (`layers.norms.gated_rms_norm`
+    """A KDA layer's output with its gated output norm not yet applied (`ops.norms.gated_rms_norm`
     per head of V values: RMS-normed, times the norm weight, times sigmoid of the gate z): rows for
     the output projection's kernel to normalise as it reads them, so that the norm costs no launch
     of its own. Each head's sum of squares comes in J parts (`ops.kda.decode_layer` returns them);
@@ -166,7 +169,7 @@ def supported(c: int, o: int) -> bool:
 def _normed(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, c: int, eps: float,
             dt: jnp.dtype) -> jax.Array:
     """The prologue of `NormedRows`: the tile x_C [BC] of row `row` RMS-normed from the row's sum of
-    squares, with the model's cast order (`layers.norms.rms_norm`: normalise in float32, cast,
+    squares, with the model's cast order (`ops.norms.rms_norm`: normalise in float32, cast,
     times the weight)."""
     w_ref, layer_ref, ss_ref = refs
     r = inv_rms(ss_ref[row], c, eps)
@@ -176,7 +179,7 @@ def _normed(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, 
 def _gated(x_C: jax.Array, row: jax.Array, refs: tuple, s: jax.Array, bc: int, v: int, z_col: int, eps: float,
            dt: jnp.dtype) -> jax.Array:
     """The prologue of `GatedRows`: the tile x_C [BC] (inside one head of V values) of row `row`
-    normed as `layers.norms.gated_rms_norm` does, all in float32, then cast to the activation dtype."""
+    normed as `ops.norms.gated_rms_norm` does, all in float32, then cast to the activation dtype."""
     ss_ref, z_ref, w_ref, layer_ref = refs
     r = inv_rms(jnp.sum(ss_ref[row, (s * bc) // v, :]), v, eps)
     z_C = z_ref[row, pl.ds(z_col + s * bc, bc)].astype(jnp.float32)
@@ -241,8 +244,8 @@ def gathered_products(x_RC: jax.Array | NormedRows | GatedRows, idx_M: jax.Array
     and up read from one fused matrix at columns 0 and I). x as `NormedRows`: every program
     normalises its tile of the row itself (from the row's sum of squares, the model's RMSNorm); x as
     `GatedRows` likewise with the KDA output's gated norm.
-    `interpret` defaults to the lowering platform's choice (`pallas_gpu.triton_call`); `launch`: the
-    tuned program count and eviction policy.
+    `interpret`: None takes `launch.interpret` (None there: chosen where the program is lowered,
+    `pallas_gpu.triton_call`); `launch`: the tuned program count and eviction policy.
 
     `offset` (an int32 scalar) is added to the first n_main copies' indices, and with `extra_idx`
     idx holds only those n_main: every copy from n_main on takes expert `extra_idx`. The kernel

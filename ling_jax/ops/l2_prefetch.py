@@ -1,20 +1,19 @@
 """Weights read into the L2 cache by spare programs of a latency-bound decode kernel.
 
-A batch-1 decode step spends ~40% of its device time in kernels that move few bytes (the expert
-selection, the KDA recurrence, the glue between projections), while the HBM idles; the weights that
-the next gemv reads could stream into L2 meanwhile. A kernel that takes `Prefetch`es launches extra
-programs after its own, each of which loads one tile of one of those weights with Triton's
-`evict_last` policy and stores the tile's maximum to a scratch output (so that the load stays).
+A batch-1 decode step spends a large share of its device time in kernels that move few bytes (the
+expert selection, the KDA recurrence, the glue between projections; BENCHMARKS.md, "Where a batch-1
+step goes"), while the HBM idles; the weights that the next gemv reads could stream into L2
+meanwhile. A kernel that takes `Prefetch`es launches extra programs after its own, each of which
+loads one tile of one of those weights with Triton's `evict_last` policy and stores the tile's
+maximum to a scratch output (so that the load stays). What is read this way stays in L2 while the
+gemvs stream other weights through it with `evict_first`.
 
-Measured on an H200 (`bench/l2_window.py --forms inkernel`, BENCHMARKS.md): a one-program kernel of
-~4 us whose launch also reads 7.9 MB of the next weight grew by 0.46 us, and the gemv over that
-31.5 MB weight then took 9.25 instead of 10.29 us; what was read stayed in L2 while 42 MB of other
-weights streamed through it with `evict_first` (the gemv kernel's policy). Reading more than the
-window hides costs more than it saves: 15.7 MB grew the same kernel by 2.2 us for 1.7 us saved.
-In the batch-1 decode step on an H100 (two profiled processes, BENCHMARKS.md), the expert selection
-reading the stacked shared expert (4.7 MB, `layers.moe.PREFETCH_SHARED`) saved 12-13 us of busy
-time per step (-0.7 to -0.8%); the KDA layer kernel reading its layer's o_proj (6.3 MB) grew by 2.4
-us a launch for 1.8 us saved in the gemv, a loss, so no KDA kernel takes readers.
+A reader pays only while the kernel's own latency hides it: reading more than that window grows the
+kernel by more than the next gemv saves. So only the expert selection (`ops.route_pallas`) takes
+readers, for the stacked shared expert that the next gemvs read (`kernels.Tuning.prefetch_shared`,
+per device kind in `kernels.TUNED`); the KDA layer kernel reading its layer's o_proj is a loss, so
+no KDA kernel takes them. The measurements: docs/decode-performance.md ("L2 readers in a
+latency-bound kernel"), `bench/experiments/l2_window.py`.
 
 How a kernel takes them: `slabs, kept = plan(prefetch)`; a grid with `programs(slabs)` more
 programs than its own (a 1-D grid: n + programs; a larger one: rounded up to whole rows); operands

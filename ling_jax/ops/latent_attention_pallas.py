@@ -1,23 +1,22 @@
 """Absorbed-MLA decode attention over the latent cache as one Pallas kernel per layer (split-K).
 
-`ops.mla_decode.latent_attention` walks the cache in a `while` loop of XLA ops: on an H200 each
-1,024-slot block costs ~14 small kernels and a device-to-host read of the loop predicate (~27 us),
-which adds ~5 ms per step at a 32k context (BENCHMARKS.md). Here one kernel does the whole walk:
-the grid is (row, block of 16 heads, split), each program runs an online softmax over its split of
-the used cache (splits are sized at run time from the longest row, so a short context in a long
-allocation still spreads over every program; each loop stops at its row's length, so slots past
-it are read only up to the end of their 32-slot block, and masked), and XLA merges the splits'
-(max, sum, weighted latent) with the current token's row. The number of splits fills the GPU at
-batch 1 and drops to one per row at large batch.
+`ops.mla_decode.latent_attention` walks the cache in a `while` loop of XLA ops: each block of the
+cache costs several small kernels and a device-to-host read of the loop predicate, so its cost grows
+with the context (figures: BENCHMARKS.md, "Decode kernels alone"; docs/decode-performance.md). Here
+one kernel does the whole walk: the grid is (row, block of BH heads, split), each program runs an
+online softmax over its split of the used cache (splits are sized at run time from the longest row,
+so a short context in a long allocation still spreads over every program; each loop stops at its
+row's length, so slots past it are read only up to the end of their BK-slot block, and masked), and
+XLA merges the splits' (max, sum, weighted latent) with the current token's row. The number of splits
+(`Launch.latent_programs` programs in all) fills the GPU at batch 1 and drops to one per row at large
+batch. With a float32 cache the result is the XLA loop's up to float32 rounding (the splits change
+the summation order); a bf16 cache's scores are bf16 products accumulated in float32.
 
-Triton lowering on GPU; interpret mode elsewhere (tests). Needs the latent rank and rope width to
-be powers of two (Ling: 512 and 64), see `supported`. Used by `mla_decode` when the config's
-`pallas_decode("mla")` says so ("pallas", or "auto" on a GPU). On an H200 (Ling-3.0-tiny widths,
-timed alone by `bench/decode_kernels.py`): 47 us at batch 1 / 32k against 990 us for the XLA loop
-(31 us per layer inside the decode step), 1.9-2.4 TB/s at batch 16-128 (tiles from a sweep,
-BENCHMARKS.md). GSPMD cannot split the kernel: under a multi-device mesh
-`layers.mla` runs it per shard (`sharding.per_shard`: rows over the token axes, as the cache is
-laid out, heads over tensor).
+Triton on a GPU, interpret mode elsewhere (`Launch.interpret`, or the `interpret` argument). Needs
+the latent rank and rope width to be powers of two (Ling: 512 and 64), see `supported`. The decode
+step runs it where the `Kernels` record's `decode_mla` says so (`ling_jax.decode.layers.mla`).
+GSPMD cannot split the kernel: under a multi-device mesh the decode step runs it per shard
+(`sharding.per_shard`: rows over the token axes, as the cache is laid out, heads over tensor).
 
 `latent_attention_paged_pallas` is the same kernel over a paged cache (the serving engine's pool of
 fixed-size pages shared by all sequences, `ops.mla_decode.latent_attention_paged`): each block is
@@ -38,7 +37,7 @@ from ling_jax.ops.pallas_gpu import DEFAULT_LAUNCH, Launch, is_pow2, triton_call
 
 BK = 64  # cache slots per loop step
 BH = 16  # heads per program (the smallest dot Triton issues)
-NUM_WARPS, NUM_STAGES = 4, 2  # with BK and `Launch.latent_programs`: the fastest of the tile sweep
+NUM_WARPS, NUM_STAGES = 4, 2  # with BK and `Launch.latent_programs`: the sweep's best (BENCHMARKS.md)
 NEG = -1e30  # finite "minus infinity" for running maxima (exp(NEG - m) = 0, never NaN)
 
 
@@ -163,7 +162,8 @@ def latent_attention_pallas(q_BHW: jax.Array, cache_BSW: jax.Array, lengths_B: j
     the cache split so that about `launch.latent_programs` programs run.
 
     With `layer`, `cache_BSW` is a stack [L, B, S, W] of layers' caches and the kernel reads layer
-    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is (`mla_decode.LatentStack`)."""
+    `layer` (a traced int32 scalar) from it, so XLA passes the stack as it is
+    (`ling_jax.decode.views.LatentStack`)."""
     cache_LBSW = cache_BSW[None] if layer is None else cache_BSW
     s = cache_LBSW.shape[2]
     rope = q_BHW.shape[-1] - rank

@@ -2,14 +2,15 @@
 
 At batch 1 every projection of a decode step is a vector-matrix product whose whole cost is reading
 the weight. XLA runs each as a split reduction well under the copy rate, and a custom kernel on a
-layer's weight sliced from its segment's stack would first copy the slice (docs/decode-performance.md).
-So the unrolled decode step (`ling_jax.decode`) hands such weights over as `WeightStack`s, and `linear`
-runs them through the routed experts' gemv kernel (`ops.expert_gemv.gathered_products`) with the
-layer as the expert: one launch that reads the layer's
-[C, O] rows from the stack in place, plus XLA's sum of the kernel's partial sums. A layer's RMSNorm
-before such projections (`normed`) is left to the kernel too (`expert_gemv.NormedRows`): every
-program normalises the tile of the row it reads, and the norm's two XLA launches go. At a few rows
-(decode at batch > 1) `linear` runs `ops.stack_matmul` on the stack the same way.
+layer's weight sliced from its segment's stack would first copy the slice
+(docs/decode-performance.md). So the unrolled decode step (`ling_jax.decode`) hands such weights
+over as `WeightStack`s where the `Kernels` record's `decode_proj` says so, and `linear` runs them
+through the routed experts' gemv kernel (`ops.expert_gemv.gathered_products`) with the layer as the
+expert: one launch that reads the layer's [C, O] rows from the stack in place, plus XLA's sum of the
+kernel's partial sums. A layer's RMSNorm before such projections (`normed`) is left to the kernel
+too (`expert_gemv.NormedRows`): every program normalises the tile of the row it reads, and the
+norm's two XLA launches go. At a few rows (decode at batch > 1) `linear` runs `ops.stack_matmul` on
+the stack the same way.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Row log-sum-exp of a wide matrix in one read: the loss's softmax over a [tokens, vocab] logits chunk.
 
 XLA computes `logsumexp` as two passes over the logits (the row max, then the sum of exponentials):
-two reads of a [4096, 157184] chunk, 7.2 ms per Ling-3.0-tiny train step on an H200 with bf16 logits
-(BENCHMARKS.md). The Triton kernel reads each row once, keeping a running max and a rescaled running
-sum (the online softmax). Off GPU, `impl="auto"` is XLA's `jax.nn.logsumexp`; tests run the kernel
-in interpret mode.
+two reads of each logits chunk. The Triton kernel reads each row once, keeping a running max and a
+rescaled running sum (the online softmax); the same value up to float32 rounding. The `Kernels`
+record picks it (`Kernels.logsumexp`) on one GPU; elsewhere the loss takes XLA's
+`jax.nn.logsumexp`, and tests run the kernel in interpret mode. Figures: BENCHMARKS.md, "Log-sum-exp
+of the loss's logits"; docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def row_logsumexp(x_RV: jax.Array, *, impl: str = "xla", interpret: bool | None 
     """log(sum(exp(x), axis=-1)) [R] in float32 of x [R, V] (any float dtype).
 
     impl: "xla" or "pallas" (the kernel: not partitioned by GSPMD, so for one device;
-    `ling_jax.kernels` picks it on one GPU). Not differentiable (the loss makes its own gradient)."""
+    `ling_jax.kernels` picks it on one GPU), else ValueError. `interpret`: None chooses where the
+    program is lowered (Triton for a GPU, interpret mode elsewhere). Not differentiable (the loss
+    makes its own gradient)."""
     if impl == "xla":
         return jax.nn.logsumexp(x_RV.astype(F32), axis=-1)
     if impl != "pallas":

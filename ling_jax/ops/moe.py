@@ -6,15 +6,15 @@ expert-parallel dispatch in layers/moe.py (there `first_expert` is the device's 
 the weights are its local experts; on one device it is all of them).
 
 Both sort the token copies by expert and run one grouped matmul per projection on the sorted rows.
-`impl` picks the grouped matmul:
+`impl` picks the grouped matmul (`ling_jax.kernels` resolves "auto" and the decode-sized choice
+before these functions see it: `Kernels.moe_for`):
 
-  ragged  `jax.lax.ragged_dot` (XLA; every backend; slow on GPU: 8–11 TFLOP/s on an H200)
+  ragged  `jax.lax.ragged_dot` (XLA; every backend; slow on GPU: docs/kernels.md)
   aligned each expert's copies start on a row tile (the rest of its last tile zero), and our
           persistent warp-specialised Mosaic-GPU kernel (`ops.aligned_gmm`) runs the forward and
           dX, JAX's `transposed_ragged_dot_mgpu` dW, behind a custom VJP. Hopper (sm90) only;
-          elsewhere it runs in the Mosaic-GPU interpreter (tests). On an H200 at 16k tokens each
-          grouped matmul runs at 0.73-0.97 of a dense matmul's rate at Ling-3.0-tiny's MoE shape
-          and 0.59-0.65 at Ling-3.1-flash's, where mgpu reaches 0.30-0.54 and 0.08 (BENCHMARKS.md).
+          elsewhere it runs in the Mosaic-GPU interpreter (tests). Far closer to a dense matmul's
+          rate than mgpu at the MoE shapes (BENCHMARKS.md, "MoE: routed experts, one layer").
   mgpu    JAX's Pallas Mosaic-GPU kernels (`ragged_dot_mgpu` for the forward and dX with
           transposed weights, `transposed_ragged_dot_mgpu` for dW) behind a custom VJP on rows
           packed without gaps. Hopper (sm90) only; elsewhere the Mosaic-GPU interpreter.
@@ -25,19 +25,22 @@ Both sort the token copies by expert and run one grouped matmul per projection o
   gather  each token copy multiplies its own expert's gathered weights: reads only the chosen
           experts, no sort, no grouped-matmul launch — for decode-sized batches.
   gemv    the same products through the Pallas kernel of `ops.expert_gemv` (reads each chosen
-          expert's weights by rows; interpret mode off GPU) up to GATHER_MAX_COPIES token copies;
-          larger calls (prefill, training) run what `auto` picks. Forward only. Fast only when
-          the weights come as `ExpertStack`s (the unrolled decode step): a sliced weight stack
-          passed to the kernel is first copied whole.
-  auto    at most GATHER_MAX_COPIES token copies (decode): gemv on one GPU when the weights are
-          `ExpertStack`s the kernel can tile (H200, Ling-3.0-tiny MoE layer at batch 1: 28 vs
-          115 us, BENCHMARKS.md), else gather; beyond (prefill, training): aligned on an sm90 GPU
-          with bf16/f16 activations, gmm on TPU, ragged otherwise.
+          expert's weights by rows; interpret mode off GPU), for decode-sized calls (up to
+          `Tuning.gather_max_copies` token copies; larger calls run what "auto" picks for them).
+          Forward only. Fast only when the weights come as `ExpertStack`s (the unrolled decode
+          step): a sliced weight stack passed to the kernel is first copied whole.
+  auto    (resolved by `kernels.moe_impls`, never passed here) decode-sized calls: gemv on one GPU
+          when the weights are `ExpertStack`s the kernel can tile (`Kernels.expert_stacks`), else
+          gather; beyond (prefill, training): aligned on an sm90 GPU with bf16/f16 activations,
+          gmm on TPU, ragged otherwise.
 
 The packed grouped matmuls (ragged, mgpu, gmm) have `jax.lax.ragged_dot`'s semantics, including
 rows past `sum(group_sizes)`, which come out zero (the kernels leave them unwritten, so they are
 masked); "aligned" computes whole tiles per expert, its padding rows zero because the dispatch
 writes them zero. The row maps (`SortedRows`) send only the computed copies back either way.
+The kernels run compiled or interpreted as the `Kernels` record's `Launch.interpret` says (None:
+chosen where the program is lowered: compiled for the platform each is written for, interpreted
+elsewhere).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-ex
 GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
 
-# Mosaic-GPU tiles (toolchain.md §8: 171 TFLOP/s on an H200 with these); megablox tiles.
+# Mosaic-GPU tiles of impl "mgpu" (JAX's `ragged_dot_mgpu`; its rate with them: docs/kernels.md); megablox tiles.
 MGPU_BLOCK_M, MGPU_BLOCK_N, MGPU_BLOCK_K, MGPU_STEPS, MGPU_GRID_BLOCK_N = 128, 128, 64, 4, 1
 GMM_TILE = 128
 
@@ -387,7 +390,8 @@ def routed_partial(
     every choice is in range (every sorted copy is computed: the grouped matmuls skip their masks).
     `rows_only`: nothing differentiates the call (prefill, decode) and it does not run inside a
     `shard_map` (a `pallas_call` there has no manual-axis output types): the aligned dispatch then
-    writes only the copies' rows (`dispatch(rows_only=True)`). `launch`: the gemv kernel's tuning.
+    writes only the copies' rows (`dispatch(rows_only=True)`). `launch`: the gemv kernel's tuning, and
+    whether every kernel runs compiled or interpreted (`Launch.interpret`; None: chosen at lowering).
     """
     n, k = idx_NK.shape
     n_local = w_gate_LDI.shape[0]
@@ -462,7 +466,7 @@ def counts(idx: jax.Array, n: int) -> jax.Array:
     """How many entries of idx equal each of 0 .. n-1: [n] int32 (others are not counted).
 
     A compare-and-sum, not `bincount`: XLA's scatter-add of ~10^5 ones into ~10^2 bins serialises on
-    its atomics (3 ms per call on an H200 at 32k tokens x top-8, bench/results/train_h200_profile.json).
+    its atomics (docs/kernels.md, "MoE aligned grouped matmul").
     """
     return jnp.sum(idx.reshape(-1, 1) == jnp.arange(n, dtype=idx.dtype), axis=0, dtype=jnp.int32)
 
@@ -523,7 +527,7 @@ def sorted_rows(key_M: jax.Array, n_local: int, cap: int, aligned: bool) -> Sort
     held_S = (group_S >= 0) & (row_S - first_L[g_S] * tm < gs_L[g_S])
     copy_S = jnp.where(held_S, order_M[jnp.clip(sorted_S, 0, m - 1)], m)
     # computed once: fused into the [S, D] row gathers, XLA would redo these index gathers per
-    # element (H200, Ling-3.0-tiny, 16k tokens: the routed forward took 8.5 ms around 1.4 ms of matmuls)
+    # element, which costs more than the matmuls (docs/kernels.md, "MoE aligned grouped matmul")
     copy_S, slot_M = jax.lax.optimization_barrier((copy_S, slot_M))
     return SortedRows(copy_S, slot_M, (gs_L + tm - 1) // tm * tm, tile_group_T, tiles)
 

@@ -77,7 +77,7 @@ def index_operand(values: list | np.ndarray) -> np.ndarray | jax.Array:
     static rows), else stacked in XLA. A constant ends with `INDEX_SENTINEL`, which no kernel reads:
     XLA rewrites a constant whose values are all equal into a broadcast, and 0, 1, ..., n-1 into an
     iota, and a custom call's operand must be materialised, so either would be a launch of its own
-    in every step (0.8-1.0 us each; a KDA layer's four equal layer indices were one per layer)."""
+    in every step (a KDA layer's four equal layer indices among them; docs/decode-performance.md)."""
     if all(isinstance(v, (int, np.integer, np.ndarray)) for v in values):
         return np.append(np.asarray(values, np.int32).reshape(len(values)), np.int32(INDEX_SENTINEL))
     return jnp.stack([jnp.asarray(v, jnp.int32).reshape(()) for v in values])

@@ -2,19 +2,19 @@
 
 `layers.moe.route` ranks `sigmoid(logits) + bias` within the best `topk_group` groups (a group
 scores the sum of its two best) and weights the chosen experts by their unbiased scores,
-renormalised and scaled. In XLA that is ~9 launches per MoE layer (sigmoid, two `top_k`s, one-hot,
-masks, gather, sums), 1-3 us each; a batch-1 decode step of Ling-3.0-tiny spent ~0.35 ms of its
-2.8 ms in them (23 MoE layers, BENCHMARKS.md). Here one program (one warp) takes one token row with
-all E logits in registers and does every stage by masked reductions. A one-warp reduction is a
-chain of dependent shuffles, so the kernel is as fast as its chain of reductions is short: all
-groups' two best at once on a [groups, E] tile (3 reductions), every expert's group score and the
-number of groups ranked above its group by two reductions over the group axis, then k rounds of
-"best expert, lowest index on ties" (2 each) — the order of `lax.top_k`, so the kernel picks the
-experts the XLA form picks whenever the scores are bit-identical (interpret mode; on a GPU
-Triton's `exp` may differ from XLA's in the last bit, which can only swap experts whose scores tie
-to within that bit) — and the chosen experts' weights in one reduction at the end. (The first
-version ran a round per group and per kept group and summed each weight in its round: 56
-reductions at Ling-3.0-tiny's shape, 5 us per call on an H200.)
+renormalised and scaled. In XLA that is a chain of small launches per MoE layer (sigmoid, two
+`top_k`s, one-hot, masks, gather, sums), which a decode step pays in every MoE layer. Here one
+program (one warp) takes one token row with all E logits in registers and does every stage by
+masked reductions. A one-warp reduction is a chain of dependent shuffles, so the kernel is as fast
+as its chain of reductions is short: all groups' two best at once on a [groups, E] tile (3
+reductions), every expert's group score and the number of groups ranked above its group by two
+reductions over the group axis, then k rounds of "best expert, lowest index on ties" (2 each) — the
+order of `lax.top_k`, so the kernel picks the experts the XLA form picks whenever the scores are
+bit-identical (interpret mode; on a GPU Triton's `exp` may differ from XLA's in the last bit, which
+can only swap experts whose scores tie to within that bit) — and the chosen experts' weights in one
+reduction at the end. The `Kernels` record chooses it (`Kernels.route_for`: calls of up to
+`Tuning.route_max_tokens` rows). Its cost in the decode step: BENCHMARKS.md ("Where a batch-1 step
+goes"), docs/decode-performance.md.
 
 The weights' gradient (the kernel has none) is the XLA form's, recomputed from the logits and the
 chosen indices (`custom_vjp`): the kernel can stand in anywhere `route` runs.
@@ -150,8 +150,11 @@ def select_experts(logits_NE: jax.Array, bias_E: jax.Array | WeightStack, *, n_g
                    k: int, scale: float, interpret: bool | None = None,
                    prefetch: tuple[l2_prefetch.Prefetch, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """(expert indices [N, k] int32, combine weights [N, k] float32) from router logits [N, E] and the
-    selection bias [E]: `layers.moe.route`'s selection (module doc). E must be divisible by n_group;
-    `interpret` defaults to True off GPU. Differentiable in the logits (the bias only ranks).
+    selection bias [E]: `layers.moe.route`'s selection (module doc). E must be divisible by n_group
+    into groups of >= 2, 0 < topk_group <= n_group, 0 < k <= topk_group * E / n_group, else
+    ValueError. `interpret`: None chooses where the program is lowered (Triton for a GPU, interpret
+    mode elsewhere; the decode step passes its record's `Launch.interpret`). Differentiable in the
+    logits (the bias only ranks).
 
     Or, in a decode step (no gradient), logits as [S, N, E] partial sums to add and the bias as a
     `WeightStack` of [E] rows (module doc); there `prefetch` names weight slabs that the launch reads

@@ -9,10 +9,10 @@ decode each expert's one or two copies start a 64-row tile, and S covers the wor
 read, and the MoE reads back only the rows of copies: rows without a copy may hold anything when
 nothing differentiates the MoE. This kernel writes only the M copies' rows of an uninitialised
 [S, D] output (one program per copy and column block), for the dispatch in prefill and decode
-(`ops.moe.inference()`, `ops.moe.dispatch(rows_only=True)`); everywhere else the dispatch keeps
+(`Kernels.inference`, `ops.moe.dispatch(rows_only=True)`); everywhere else the dispatch keeps
 its zero rows (a weight gradient sums over whole tiles).
 
-Triton lowering on GPU; interpret mode elsewhere (tests).
+Triton where the program is lowered for a GPU; interpret mode elsewhere (tests).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _kernel(slot_ref, x_ref, out_ref, *, copies_per_row: int, bd: int):
 def scatter_rows(x_ND: jax.Array, slot_M: jax.Array, rows: int, *, interpret: bool | None = None) -> jax.Array:
     """[rows, D] with row slot[m] = x[m // k] for every copy m (k = M / N copies per token row); slots
     >= rows are skipped; every other row is left unwritten (arbitrary values). Slots must be distinct
-    where < rows. `interpret` defaults to True off GPU."""
+    where < rows. `interpret`: None chooses where the program is lowered (Triton for a GPU, interpret
+    mode elsewhere)."""
     n, d = x_ND.shape
     m = slot_M.shape[0]
     if m % n:

@@ -9,9 +9,10 @@ interpret mode):
   - backward: one pass reads x and the parts' cotangents, recomputes the pre-activation at the
     W shifted rows each output row feeds, and writes dx plus each program's partial sums of dw
     (one part's channel block per program, accumulated elementwise over its row blocks).
-XLA's own gradient of `conv_silu` recomputed the convolution inside several multi-output reduction
-fusions and materialised the split and concat around it (H200 profile of the train step, ~40 ms of
-8 layers' 370 ms, BENCHMARKS.md).
+XLA's own gradient of `conv_silu` recomputes the convolution inside several multi-output reduction
+fusions and materialises the split and concat around it (docs/training-performance.md; the kernels
+against XLA: BENCHMARKS.md, "KDA short conv"). The `Kernels` record runs the kernels
+(`Kernels.conv`) where it runs the Pallas KDA kernels, on one device, at widths `supports` takes.
 
 Each tap reads its shifted rows straight from memory (the rows another program also reads come from
 cache), so programs need no halo exchange: the layout of FLA's causal-conv kernels.
@@ -33,8 +34,8 @@ from ling_jax.ops.saved import keep
 
 F32 = jnp.float32
 # rows x channels per block (Triton: powers of two), row blocks per backward program (its dw partial
-# sums are reduced once per program): the fastest forward + backward of bench/short_conv.py on an H200
-# (Ling-3.0-tiny's [8, 4096, 3 x 2048]: 1.73 ms, 8 x 64 x 32; 32 x 64 x 8: 2.73 ms, XLA: 3.25 ms)
+# sums are reduced once per program): the fastest forward + backward of the `bench/short_conv.py` sweep
+# at Ling-3.0-tiny's [8, 4096, 3 x 2048] (docs/kernels.md, "Short conv and log-sum-exp")
 BLOCK_T, BLOCK_P, INNER = 8, 64, 32
 WARPS = 4
 

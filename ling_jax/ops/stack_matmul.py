@@ -2,16 +2,16 @@
 
 In the unrolled decode step every dense projection multiplies a few rows (the batch) by one layer's
 [C, O] weight, sliced from its segment's [L, C, O] stack. XLA copies such a slice before its
-product: on an H200 a batch-16 Ling-3.0-tiny step made 93 copies, 0.51 ms of its 7.4 ms
-(BENCHMARKS.md, thirteenth session), the KDA layers' fused input projection alone 31.5 MB per layer.
-Here the weight stays in its stack (`layer_gemv.WeightStack`): the grid is (output tile, split of C),
+product, every step (docs/decode-performance.md, "What XLA does that the step must avoid"). Here
+the weight stays in its stack (`layer_gemv.WeightStack`): the grid is (output tile, split of C),
 each program walks its split of C in [BK, BO] weight tiles with Triton's dot on all rows at once
 ([BR, BK] x [BK, BO], rows zero-padded to a power of two >= 16) and writes float32 partial sums,
 added by their consumer's fusion (`expert_gemv.add_partials`). The split is as wide as fills the
 GPU (`Launch.stack_programs`) while the partial sums stay a fraction of the weight's bytes.
 
-Triton lowering on GPU; interpret mode elsewhere (tests). `layer_gemv.linear` runs it for 2 to
-`MAX_ROWS` rows; one row goes to the gemv kernel (`ops.expert_gemv`).
+Triton on a GPU, interpret mode elsewhere (`Launch.interpret`). `layer_gemv.linear` runs it for 2
+to `MAX_ROWS` rows on the stack views the decode step makes where the `Kernels` record's
+`decode_proj` says so; one row goes to the gemv kernel (`ops.expert_gemv`).
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ def pallas_safe_gate(fused_gate: bool, lower_bound: float | None) -> bool:
 
 def kernel_chunk(chunk_size: int, gpu: bool) -> int:
     """The chunk the Pallas kernels run a call of `chunk_size` at: GPU_KERNEL_CHUNK on a GPU where it
-    divides `chunk_size` (faster there: BENCHMARKS.md, KDA), else `chunk_size`. The result is the same
-    up to rounding; the chunk states asked for are taken every `chunk_size / GPU_KERNEL_CHUNK` kernel
-    chunks."""
+    divides `chunk_size` (the faster chunk there: docs/kernels.md, "KDA chunked kernels"), else
+    `chunk_size`. The result is the same up to rounding; the chunk states asked for are taken every
+    `chunk_size / GPU_KERNEL_CHUNK` kernel chunks."""
     return GPU_KERNEL_CHUNK if gpu and chunk_size % GPU_KERNEL_CHUNK == 0 else chunk_size
 
 

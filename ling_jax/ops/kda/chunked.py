@@ -12,11 +12,9 @@ Derivation, per (sequence, head), for one chunk of rows i = 1..C entering with s
 (q already scaled). So U = (I + A_kk)⁻¹ [β ⊙ V  -  β ⊙ (e^Γ ⊙ K) S0] = U_c - W S0 with
 U_c = T V, W = T (e^Γ ⊙ K), T = (I + A_kk)⁻¹ diag(β): the form of ARCHITECTURE.md §2.4, which this
 derivation confirms. [U_c | W] comes from one unit-lower-triangular solve of (I + A_kk) against
-[β V | β e^Γ K] with `solve_triangular` (LAPACK/cuBLAS trsm). Measured on CPU against a
-`fori_loop` forward substitution (B=1 T=1024 H=4 K=V=128, loaded 2-core machine): forward 55-67 ms vs
-41 ms, grad 0.47 s vs 0.41 s, grad temporaries 37 MiB vs 51 MiB, compile times equal. The loop is a
-little faster here but is C dependent steps per chunk (C tiny kernels per chunk on GPU), so the
-single solve is kept.
+[β V | β e^Γ K] with `solve_triangular` (LAPACK/cuBLAS trsm), not a `fori_loop` forward
+substitution: the loop is C dependent steps per chunk (C tiny kernels per chunk on GPU) and keeps
+more gradient temporaries (the comparison: docs/kernels.md, "KDA chunked kernels").
 
 Overflow and rounding (ARCHITECTURE.md §6 item 7). Never form e^Γ_i · e^-Γ_j: with g down to -5 a
 64-token chunk reaches Γ = -320. The chunk is split into sub-chunks of s = 16 tokens (a, b index
@@ -51,8 +49,8 @@ are taken before any reset, like the reference.
 The tail is padded to a multiple of `chunk_size` with k = v = β = g = 0 (no state change). All
 internal math and the state are float32; the output is cast to v's dtype. Differentiable by plain
 autodiff through the scan; the chunk body is rematerialised (`jax.checkpoint`), so the backward pass
-stores only the state entering each chunk, not the body's residuals: the grad's temporary memory
-drops from 267 MiB to 37 MiB at the size above, and the grad runs no slower (0.50 s vs 0.61 s).
+stores only the state entering each chunk, not the body's residuals: far less temporary memory, at
+no cost in speed (docs/kernels.md, "KDA chunked kernels").
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """One KDA token against a cached state: the decode-loop path of `kimi_delta_attention`.
 
 At one token per step the recurrence is a rank-1 update of the [K, V] state; reading and writing
-that state once is the whole cost. `kda_decode_step` is the XLA form; on an H200, inside the
-decode step of an earlier profile, XLA spent 19 us on each of its two state products for a 1 MB
-state (it walks the state with K fastest). `kda_decode_step_pallas` does the step in one kernel,
+that state once is the whole cost. `kda_decode_step` is the XLA form, which walks the state with K
+fastest in each of its two state products. `kda_decode_step_pallas` does the step in one kernel,
 one pass over the state: programs over (row, head, block of V columns), each holding its [K, BV]
-slice, written back in place.
-Triton lowering on GPU, interpret mode elsewhere. The config's `pallas_decode("kda")` selects it
-("pallas", or "auto" on a GPU). Timed alone on an H200 (`bench/decode_kernels.py`), it is as fast
-as the XLA step at batch 1 (13 vs 14 us: both launch-bound at 1 MB of state), slower at batch 8
-(23 vs 15 us) and faster at batch 16 (27 vs 35 us); in the unrolled step it took 2.9 us per layer
-at batch 1 (BENCHMARKS.md). Its tiles are not yet tuned per batch size. The unrolled decode loop on
-one GPU now runs `ops.kda.decode_layer` instead (the conv, gate and this step in one launch); this
-kernel serves the scanned step and, per shard, a mesh.
+slice, written back in place. Triton on a GPU, interpret mode elsewhere (`Launch.interpret`).
+
+The decode step runs it where the `Kernels` record's `decode_kda` says so and the KDA layer kernel
+(`ops.kda.decode_layer`: the conv, gate and this step in one launch, `kernels.kda_layer_kernel`)
+does not apply: the scanned step, and per shard under a multi-device mesh
+(`ling_jax.decode.layers.kda`). Its tiles are not tuned per batch size; how it compares with the
+XLA step by batch: BENCHMARKS.md, "Decode kernels alone".
 """
 
 from __future__ import annotations
@@ -63,7 +61,8 @@ def kda_decode_step_pallas(
     state_BHKV: jax.Array, *, scale: float, interpret: bool | None = None, launch: Launch = DEFAULT_LAUNCH,
 ) -> tuple[jax.Array, jax.Array]:
     """`kda_decode_step` as one Pallas kernel (same arguments and results); the state is updated in place.
-    Narrower blocks of V where fewer than `launch.kda_programs` programs would run."""
+    Narrower blocks of V where fewer than `launch.kda_programs` programs would run. ValueError unless K
+    and V are powers of two >= 16 (`pallas_supported`)."""
     b, h, dk = q_BHK.shape
     dv = v_BHV.shape[-1]
     if not pallas_supported(dk, dv):

@@ -2,8 +2,8 @@
 
 At one token per step, what a KDA layer does after its input projection is a few thousand values
 of arithmetic: the short conv + SiLU of q/k/v from the cached window, the q/k L2 norms, the decay
-gate, beta and the rank-1 update of the [K, V] state. In XLA that was ~7 launches of 1-3 us each
-per layer plus a copy of the state slice handed to the step kernel (BENCHMARKS.md, "Decode"). Here
+gate, beta and the rank-1 update of the [K, V] state. In XLA that is several small launches per
+layer plus a copy of the state slice handed to the step kernel (docs/decode-performance.md). Here
 one launch does it: programs over (row, head, block of V columns) read the head's projected inputs
 straight from the projection's output (by column offset: no slice is materialised), the window and
 the state block from the segment's cache stacks and the small weights from their layer stacks
@@ -11,12 +11,14 @@ the state block from the segment's cache stacks and the small weights from their
 updates its state block in place (`input_output_aliases`); the new window comes back apart, since
 every program of a head reads the head's q/k window (the caller writes the windows after the step).
 
-The arithmetic mirrors the XLA form step by step (`layers.kda.kda_mixer` at T = 1:
-`ops.short_conv.conv_silu`, `ops.kda.gate`, `ops.kda.decode.kda_decode_step`), including its
-roundings to the activation dtype (the conv output, the step's output), so the two agree to float32
-rounding. The gated output norm needs a whole head, so it is left to the kernel that reads o (the
-output projection's gemv, `ops.expert_gemv.GatedRows`), which takes from here each program's sum
-of squares of its block of o. Triton lowering on GPU, interpret mode elsewhere.
+The arithmetic mirrors the XLA form step by step (`ling_jax.decode.layers.kda`, i.e.
+`layers.kda.kda_mixer` at T = 1: `ops.short_conv.conv_silu`, `ops.kda.gate`,
+`ops.kda.decode.kda_decode_step`), including its roundings to the activation dtype (the conv output,
+the step's output), so the two agree to float32 rounding. The gated output norm needs a whole head,
+so it is left to the kernel that reads o (the output projection's gemv, `ops.expert_gemv.GatedRows`),
+which takes from here each program's sum of squares of its block of o. The decode step runs it where
+`kernels.kda_layer_kernel` says so (the `Kernels` record's decode kernels on layer-stack views).
+Triton on a GPU, interpret mode elsewhere (`Launch.interpret`).
 """
 
 from __future__ import annotations
@@ -129,8 +131,10 @@ def kda_decode_layer(
     conv weights [3P, W]; a_log [H]; dt_bias [H * K] — each the layer's array or a `WeightStack`
     view. The state stack must be float32; the window stack is in the activation dtype. Programs
     run over (row, head, block of V columns), each recomputing its head's q and k (a few hundred
-    values) so that one row keeps ~128 programs busy; narrower blocks of V where fewer than
-    `launch.kda_programs` would run. `interpret` defaults to the lowering platform's choice.
+    values) so that one row keeps the GPU busy; narrower blocks of V where fewer than
+    `launch.kda_programs` would run. `interpret`: None takes `launch.interpret` (None there: chosen
+    where the program is lowered). ValueError on unsupported widths (`supported`), a state stack not
+    float32, a window stack not [L, B, W-1, 3P], or inputs without the rows or columns named.
     """
     bsz, h, dk, dv = cache.state.shape[1:5]
     w = cache.conv.shape[2] + 1

@@ -51,14 +51,14 @@ WARPS = {"pairs": 4, "wu": 4, "state": 4, "dqkg": 4, "bwd_pairs": 4}
 def default_tiles(backend: str, chunk: int, dk: int, dv: int, exact: bool = False) -> dict:
     """The tile defaults of a call, as `Cfg` field values: value blocks `bv` (sequential kernels) and
     `bv_bwd`, key blocks `bk` (pairwise kernels) and `bk_kv`, `warps_<group>` per kernel group (WARPS)
-    and the sequential kernels' pipeline `stages_state`; `exact`: float32 inputs. On GPU they are the
-    fastest of the H200 sweeps at B=1, T=8192, K=V=128, bf16 (bench/notes/kda.md): for chunks of 64
+    and the sequential kernels' pipeline `stages_state`; `exact`: float32 inputs. On GPU they are
+    tuned at B=1, T=8192, K=V=128, bf16 (docs/kernels.md, "KDA chunked kernels"): for chunks of 64
     and more, 4 warps everywhere, bk 32, 64-wide value blocks, 2 stages; for chunks of 32 and less the
     [C, C] kernels and bwd_dqkg at 2 warps, bk 64, and 32-wide value blocks and 3 stages for the
     sequential kernels (whose step count doubles: more, smaller programs keep more of them in flight).
     float32 takes bwd_dqkg at 2 warps at every chunk size: at 4 (chunk 64, bk_kv 64, bv_bwd 64)
-    Triton's lowering of it makes misaligned 16-byte shared-memory writes (compute-sanitizer on the
-    H200: CUDA_ERROR_MISALIGNED_ADDRESS). TPU: whole key blocks, bv 128."""
+    Triton's lowering of it makes misaligned 16-byte shared-memory writes, a CUDA error
+    (docs/kernels.md, "Measuring a kernel"). TPU: whole key blocks, bv 128."""
     if backend != "triton":
         tiles, warps = {"bv": min(dv, 128), "bv_bwd": min(dv, 64), "bk": dk, "bk_kv": dk, "stages_state": 2}, WARPS
     elif chunk <= 32:

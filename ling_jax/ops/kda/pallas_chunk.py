@@ -124,8 +124,8 @@ class Cfg:
     @property
     def key_axis_last(self) -> bool:
         """Where the backward's key-block grid axis goes: first on GPU (Triton's fastest axis: a chunk's
-        key blocks run together and share their [C, V] and [C, C] inputs through L2; last measured
-        slower on the H200), last on TPU (the leading "parallel" axes are then B and H, which a
+        key blocks run together and share their [C, V] and [C, C] inputs through L2; the axis last is
+        slower, docs/kernels.md), last on TPU (the leading "parallel" axes are then B and H, which a
         megacore splits between its cores, never a key-block axis of size 1)."""
         return self.backend == "tpu"
 
