@@ -78,7 +78,7 @@ def test_router_group_limited_selection_and_weights():
 
 def test_ragged_experts_equal_dense_including_skew():
     """Every impl against the dense reference, spread and all-on-three-experts routing; `gemv` at a
-    decode size (60 copies; above GATHER_MAX_COPIES it runs what `auto` picks) and tileable widths."""
+    decode size (60 copies; above `Tuning.gather_max_copies` it runs what `auto` picks) and tileable widths."""
     rng = np.random.default_rng(2)
     e, k = 8, 3
     for n, d, i, impls in ((40, 16, 12, ("ragged", "gather")), (20, 32, 16, ("ragged", "gather", "gemv"))):

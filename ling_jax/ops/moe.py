@@ -63,7 +63,6 @@ from ling_jax.ops.swiglu import swiglu_act
 
 IMPLS = ("auto", "ragged", "dense", "gather", "gemv", "aligned", "mgpu", "gmm")
 EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's routed-expert weights
-GATHER_MAX_COPIES = 64  # token copies (N * k) up to which `auto` gathers weights per copy
 KERNELS = ("mgpu", "gmm")
 
 # Mosaic-GPU tiles of impl "mgpu" (JAX's `ragged_dot_mgpu`; its rate with them: docs/kernels.md); megablox tiles.
