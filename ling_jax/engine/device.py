@@ -170,3 +170,25 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
     cache, _, out = jax.lax.fori_loop(0, steps, body, (cache, tokens_B, out))
     return cache, out
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:
+    """`store` with its row `dst` set to the KDA states and conv windows of `source`'s row `row` (the
+    prefix cache's snapshot after a prefix: `source` is the staging cache of a prompt being prefilled)."""
+
+    def put(path: Any, to: jax.Array, frm: jax.Array) -> jax.Array:
+        name = path[-1].key
+        if name == "pages":
+            return to
+        axis = _batch_axis(name, to)
+        return jax.lax.dynamic_update_slice_in_dim(to, jax.lax.dynamic_slice_in_dim(frm, row, 1, axis), dst, axis)
+
+    return {**store, "segments": jax.tree_util.tree_map_with_path(put, store["segments"], source["segments"])}
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def restore_snapshot(staging: Cache, store: Cache, row: jax.Array) -> Cache:
+    """The staging cache holding snapshot `row`'s KDA states and conv windows (a prompt continuing a
+    cached prefix)."""
+    return save_snapshot(staging, store, row, jnp.int32(0))

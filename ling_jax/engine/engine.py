@@ -12,6 +12,13 @@ tokens fill (ceil(tokens / page_size)), taken as it grows. Admission reserves th
 may come to need (prompt + max_tokens), so a running request never waits for a page. KDA state and
 conv windows are per slot.
 
+Prefix cache (`prefix_cache=True`, `engine.prefix`): prompt pages stay in an index after their
+request ends, shared by reference count, and KDA snapshots are taken at page boundaries of prompts
+(the last one below each prompt's last token, and every `snapshot_pages` pages of long prompts) into
+a device store of `prefix_cache_gb`; a request whose prompt starts with a cached prefix restores the
+deepest snapshot with all its pages and prefills only the rest (`RequestHandle.cached_tokens`).
+Unused cached pages are evicted, least recently used first, when the pool runs short.
+
 Compiled shapes: prefill chunks in powers of two up to `prefill_chunk` (at least 16), decode calls of
 1 and `decode_steps` steps, each with and without log-probabilities; `warmup()` compiles them all, and
 serving never compiles afterwards.
@@ -35,6 +42,7 @@ from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import row_keys
 from ling_jax.decode.step import fuse_for_decode
 from ling_jax.engine import device
+from ling_jax.engine.prefix import PrefixIndex, page_keys
 from ling_jax.engine.request import QueueFull, RequestHandle, SamplingParams, TokenOutput
 from ling_jax.kernels import Kernels, select
 from ling_jax.params import Params
@@ -57,6 +65,8 @@ class _Slot:
     emitted: int = 0  # new tokens delivered
     last: int = 0  # the last new token (the next decode step's input)
     order: int = 0  # admission order
+    restore: int | None = None  # the prefix cache's snapshot row to start the prompt's prefill from
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # the prompt's full pages' keys
 
     @property
     def decoding(self) -> bool:
@@ -93,14 +103,15 @@ class Engine:
     `max_len`); `prefill_chunk`: the largest prefill chunk; `token_budget`: prompt tokens prefilled per
     loop iteration (default `prefill_chunk`); `decode_steps`: decode steps per call while nothing
     waits; `max_waiting`: queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
-    every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled.
+    every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
+    `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc).
     """
 
     def __init__(self, config: LingConfig, params: Params, *, max_batch: int = 8, max_len: int = 2048,
                  page_size: int = 64, num_pages: int | None = None, prefill_chunk: int = 512,
                  token_budget: int | None = None, decode_steps: int = 8, max_waiting: int = 256, mesh: Any = None,
                  unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
-                 prefix_cache_gb: float = 1.0):
+                 prefix_cache_gb: float = 1.0, snapshot_pages: int = 32):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
                                ("prefill_chunk", prefill_chunk, 1), ("decode_steps", decode_steps, 1),
                                ("max_waiting", max_waiting, 0)):
@@ -108,8 +119,10 @@ class Engine:
                 raise ValueError(f"{name}={v!r} must be an integer >= {least}")
         if max_len > config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
-        if speculative_tokens or prefix_cache:
-            raise ValueError("speculative decoding and the prefix cache are not part of this engine build")
+        if speculative_tokens:
+            raise ValueError("speculative decoding is not part of this engine build")
+        if isinstance(snapshot_pages, bool) or not isinstance(snapshot_pages, int) or snapshot_pages < 1:
+            raise ValueError(f"snapshot_pages={snapshot_pages!r} must be an integer >= 1")
         self.config, self.max_batch, self.max_len, self.page_size = config, max_batch, max_len, page_size
         self.max_pages = -(-max_len // page_size)
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages + 1
@@ -132,6 +145,19 @@ class Engine:
             self.cache, self.staging = (_committed(jax.jit(lambda t=t: place(jax.tree.map(
                 lambda s: jnp.zeros(s.shape, s.dtype), t)))()) for t in (shapes, staging))
         self.cache_bytes = nbytes(shapes)
+        self.snapshot_pages = snapshot_pages
+        self.prefix: PrefixIndex | None = None
+        self.prefix_bytes = 0
+        if prefix_cache:
+            row_bytes = nbytes(_kda_leaves(staging))
+            rows = int(prefix_cache_gb * 1e9 // row_bytes)
+            if rows < 1:
+                raise ValueError(f"prefix_cache_gb={prefix_cache_gb} holds no KDA snapshot ({row_bytes} bytes each)")
+            store = paged_cache_shapes(config, rows, 1, page_size, dtype)
+            with self._mesh():
+                self.store = _committed(jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), store))())
+            self.prefix = PrefixIndex(page_size, rows)
+            self.prefix_bytes = rows * row_bytes
         self.pool = PagePool(self.num_pages)
         self.slots: list[_Slot | None] = [None] * max_batch
         self.waiting: deque[RequestHandle] = deque()
@@ -190,11 +216,16 @@ class Engine:
             self._wake.notify()
 
     def stats(self) -> dict[str, float]:
-        """Gauges (running, waiting, pages) and counters (requests, tokens, calls)."""
+        """Gauges (running, waiting, pages; with the prefix cache its pages, snapshots and bytes) and
+        counters (requests, tokens, calls; prefix hits, misses, cached tokens, evictions)."""
         with self._lock:
             running = sum(s is not None for s in self.slots)
-            return {"running": running, "waiting": len(self.waiting), "pages_used": self.pool.used,
-                    "pages_total": self.num_pages - 1, "page_size": self.page_size, **self.counters}
+            out = {"running": running, "waiting": len(self.waiting), "pages_used": self.pool.used,
+                   "pages_total": self.num_pages - 1, "page_size": self.page_size, **self.counters}
+            if self.prefix is not None:
+                out.update(self.prefix.counters, prefix_pages_cached=len(self.prefix.pages),
+                           prefix_snapshots=len(self.prefix.snapshots), prefix_pool_bytes=self.prefix_bytes)
+            return out
 
     def start(self) -> None:
         """Starts the loop thread (idempotent)."""
@@ -284,15 +315,27 @@ class Engine:
         """Free slots take waiting requests (in order) while the pool can promise their pages."""
         while self.waiting and None in self.slots:
             h = self.waiting[0]
-            need = -(-(len(h.prompt_ids) + h.sampling.max_tokens) // self.page_size)
-            if len(self.pool.free) - self.pool.reserved < need:
+            prompt, key = self._pending[h.id]
+            hit = self.prefix.lookup(prompt) if self.prefix is not None else None
+            need = -(-(len(prompt) + h.sampling.max_tokens) // self.page_size) - (len(hit.pages) if hit else 0)
+            if hit:
+                self.prefix.acquire(hit.pages)  # before counting what may be evicted
+            evictable = self.prefix.evictable() if self.prefix is not None else 0
+            if len(self.pool.free) + evictable - self.pool.reserved < need:
+                if hit:
+                    self.prefix.release(hit.pages)
                 return
             self.waiting.popleft()
-            prompt, key = self._pending.pop(h.id)
+            del self._pending[h.id]
             stop = frozenset(h.sampling.stop_token_ids) | (frozenset() if h.sampling.ignore_eos else self.eos)
             self.pool.reserved += need
             self._admitted += 1
-            self.slots[self.slots.index(None)] = _Slot(h, prompt, key, stop, need, order=self._admitted)
+            slot = _Slot(h, prompt, key, stop, need, order=self._admitted)
+            if self.prefix is not None:
+                slot.keys = page_keys(prompt, self.page_size)
+                slot.pages, slot.prefilled, slot.length, slot.restore = list(hit.pages), hit.length, hit.length, hit.row
+                h.cached_tokens = hit.length
+            self.slots[self.slots.index(None)] = slot
             self.counters["prompt_tokens_total"] += len(prompt)
 
     def _pages_for(self, slot: _Slot, tokens: int) -> None:
@@ -300,6 +343,8 @@ class Engine:
         need = -(-tokens // self.page_size) - len(slot.pages)
         if need > 0:
             with self._lock:
+                if len(self.pool.free) < need:  # cached pages no request reads make room
+                    self.pool.give_back(self.prefix.evict(need - len(self.pool.free)))
                 slot.pages += self.pool.take(need)
                 self.pool.reserved -= need
                 slot.reserved -= need
@@ -317,7 +362,10 @@ class Engine:
                         key=lambda i: self.slots[i].order):
             s = self.slots[i]
             while s is not None and not s.decoding and budget > 0:
-                n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1])
+                n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1], self._to_snapshot(s))
+                if s.restore is not None:  # a cached prefix: its KDA state into the staging row
+                    self.staging = device.restore_snapshot(self.staging, self.store, np.int32(s.restore))
+                    s.restore = None
                 c = next(c for c in self.chunks if c >= n)
                 start = s.prefilled
                 self._pages_for(s, start + n)
@@ -336,12 +384,36 @@ class Engine:
                 s.prefilled, s.length = start + n, start + n
                 budget -= n
                 self.counters["prefill_chunks_total"] += 1
+                if self.prefix is not None:
+                    self._cache_prefix(s)
                 out = jax.device_get(out)
                 if want_lp:
                     self._prompt_logprobs(s, start, n, out)
                 if s.decoding:
                     self._first_token(i, s, out)
                 s = self.slots[i]
+
+    def _to_snapshot(self, s: _Slot) -> int:
+        """Prompt tokens up to the slot's next snapshot point (a chunk ends there), or no limit."""
+        if self.prefix is None:
+            return len(s.prompt)
+        k = self.page_size
+        last = (len(s.prompt) - 1) // k * k  # the boundary below the prompt's last token
+        every = self.snapshot_pages * k
+        points = [p for p in (s.prefilled // every * every + every, last) if s.prefilled < p <= last]
+        return min(points, default=len(s.prompt)) - s.prefilled
+
+    def _cache_prefix(self, s: _Slot) -> None:
+        """Indexes the slot's prompt pages prefilled so far and, at a snapshot point, snapshots the
+        staging row's KDA state after them."""
+        full = s.prefilled // self.page_size
+        with self._lock:
+            self.prefix.add_pages(s.keys[:full], s.pages[:full])
+            last = (len(s.prompt) - 1) // self.page_size * self.page_size
+            at_point = s.prefilled == last or s.prefilled % (self.snapshot_pages * self.page_size) == 0
+            row = self.prefix.snapshot_row(s.keys[full - 1]) if full and at_point else None
+        if row is not None:
+            self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(row))
 
     def _prompt_logprobs(self, s: _Slot, start: int, n: int, out: dict[str, np.ndarray]) -> None:
         """Records the log-probabilities of prompt tokens start + 1 .. start + n (the next ones) and,
@@ -417,7 +489,7 @@ class Engine:
         self.slots[i] = None
         if s is None:
             return
-        self.pool.give_back(s.pages)
+        self.pool.give_back(self.prefix.release(s.pages) if self.prefix is not None else s.pages)
         self.pool.reserved -= s.reserved
         s.handle.finish(reason, error)  # type: ignore[arg-type]
 
@@ -440,6 +512,11 @@ class _nullcontext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _kda_leaves(cache: Any) -> list[Any]:
+    """The KDA states and conv windows of a cache (a snapshot's contents)."""
+    return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(cache["segments"]) if path[-1].key != "pages"]
 
 
 def _committed(tree: Any) -> Any:

@@ -15,9 +15,10 @@ from typing import Any
 from ling_jax.config import LingConfig
 from serve.app import create_app
 from serve.server import HTTPServer, bind
+from ling_jax.engine import Engine
 from tests.serve.fake_engine import FakeEngine
 
-ENGINE = FakeEngine
+ENGINE = Engine
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>"]  # ids 0.. (eos 1: the config's)
 CHAT_TEMPLATE = (
