@@ -316,7 +316,9 @@ class Engine:
         while self.waiting and None in self.slots:
             h = self.waiting[0]
             prompt, key = self._pending[h.id]
-            hit = self.prefix.lookup(prompt) if self.prefix is not None else None
+            # prompt log-probabilities need the whole prompt run, so such a request reads no cached prefix
+            reuse = self.prefix is not None and h.sampling.prompt_logprobs is None
+            hit = self.prefix.lookup(prompt) if reuse else None
             need = -(-(len(prompt) + h.sampling.max_tokens) // self.page_size) - (len(hit.pages) if hit else 0)
             if hit:
                 self.prefix.acquire(hit.pages)  # before counting what may be evicted
@@ -333,8 +335,9 @@ class Engine:
             slot = _Slot(h, prompt, key, stop, need, order=self._admitted)
             if self.prefix is not None:
                 slot.keys = page_keys(prompt, self.page_size)
-                slot.pages, slot.prefilled, slot.length, slot.restore = list(hit.pages), hit.length, hit.length, hit.row
-                h.cached_tokens = hit.length
+                if hit:
+                    slot.pages, slot.prefilled, slot.length = list(hit.pages), hit.length, hit.length
+                    slot.restore, h.cached_tokens = hit.row, hit.length
             self.slots[self.slots.index(None)] = slot
             self.counters["prompt_tokens_total"] += len(prompt)
 

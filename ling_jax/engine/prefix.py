@@ -73,7 +73,7 @@ class PrefixIndex:
             return Hit()
         self.counters["prefix_hits"] += 1
         self.counters["prefix_cached_tokens"] += best * self.page_size
-        for key in keys[:best]:
+        for key in reversed(keys[:best]):  # a page is used more recently than those after it: leaves go first
             self.pages.move_to_end(key)
         self.snapshots.move_to_end(keys[best - 1])
         return Hit(best * self.page_size, [self.pages[k] for k in keys[:best]], self.snapshots[keys[best - 1]])
@@ -101,6 +101,9 @@ class PrefixIndex:
                 continue
             self.pages[key], self.depth[key], self.refs[page] = page, i, 1
             shared.append(page)
+        for key in reversed(keys):  # as in `lookup`: a prefix's later pages are evicted before its earlier
+            if key in self.pages:
+                self.pages.move_to_end(key)
         return shared
 
     def snapshot_row(self, key: bytes) -> int | None:

@@ -1,8 +1,9 @@
 """Helpers of the server tests: the engine under test, and servers started in-process (uvicorn in a
 thread on a free localhost port); the chat template of the test tokenizer (tests/serve/fixtures.py).
 
-`ENGINE` is the engine class every server test runs on: the test double until
-`ling_jax.engine.Engine` lands, then that (one line)."""
+`ENGINE` is the engine class every server test runs on: `ling_jax.engine.Engine` (the test double
+`FakeEngine` runs the same tests without a model). Tests that need a slow engine (disconnects, full
+queues) pace the real one: `Paced` sleeps before each decode round of one token."""
 
 from __future__ import annotations
 
@@ -28,10 +29,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+class Paced(Engine):
+    """The engine, `token_delay` seconds slower per new token (one token per decode round)."""
+
+    def __init__(self, *args: Any, token_delay: float, **kw: Any):
+        super().__init__(*args, **kw | {"decode_steps": 1})
+        self.token_delay = token_delay
+
+    def _decode_round(self) -> None:
+        time.sleep(self.token_delay)
+        super()._decode_round()
+
+
 def engine_factory(token_delay: float = 0.0) -> Any:
-    """The class under test as `(config, params, **options) -> engine` (`token_delay`: the double's
-    pause before each token; a real engine runs at its own pace)."""
-    return functools.partial(ENGINE, token_delay=token_delay) if ENGINE is FakeEngine else ENGINE
+    """The class under test as `(config, params, **options) -> engine` (`token_delay`: a pause before
+    each token)."""
+    if ENGINE is FakeEngine:
+        return functools.partial(ENGINE, token_delay=token_delay)
+    return functools.partial(Paced, token_delay=token_delay) if token_delay else ENGINE
 
 
 def make_engine(model: tuple[LingConfig, Any], *, token_delay: float = 0.0, **kw: Any) -> Any:
