@@ -261,6 +261,9 @@ class Engine:
             for steps in sorted({1, self.decode_steps}):
                 for lp in (False, True):
                     self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32))
+            if self.prefix is not None:  # a round trip: the store is left as it was
+                self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0))
+                self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
             jax.block_until_ready(out)
         _key_data(0, np.zeros(1, np.int32))  # the requests' key derivation
 
@@ -321,11 +324,12 @@ class Engine:
             hit = self.prefix.lookup(prompt) if reuse else None
             need = -(-(len(prompt) + h.sampling.max_tokens) // self.page_size) - (len(hit.pages) if hit else 0)
             if hit:
-                self.prefix.acquire(hit.pages)  # before counting what may be evicted
+                self.prefix.acquire(hit)  # before counting what may be evicted
             evictable = self.prefix.evictable() if self.prefix is not None else 0
             if len(self.pool.free) + evictable - self.pool.reserved < need:
                 if hit:
                     self.prefix.release(hit.pages)
+                    self.prefix.restored(hit.row)
                 return
             self.waiting.popleft()
             del self._pending[h.id]
@@ -368,6 +372,8 @@ class Engine:
                 n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1], self._to_snapshot(s))
                 if s.restore is not None:  # a cached prefix: its KDA state into the staging row
                     self.staging = device.restore_snapshot(self.staging, self.store, np.int32(s.restore))
+                    with self._lock:
+                        self.prefix.restored(s.restore)
                     s.restore = None
                 c = next(c for c in self.chunks if c >= n)
                 start = s.prefilled
@@ -493,6 +499,8 @@ class Engine:
         if s is None:
             return
         self.pool.give_back(self.prefix.release(s.pages) if self.prefix is not None else s.pages)
+        if s.restore is not None:
+            self.prefix.restored(s.restore)
         self.pool.reserved -= s.reserved
         s.handle.finish(reason, error)  # type: ignore[arg-type]
 

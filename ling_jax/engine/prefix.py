@@ -44,7 +44,8 @@ class PrefixIndex:
     """Host bookkeeping of cached pages and snapshots (module doc).
 
     `refs[page]`: running requests reading an indexed page; pages with none are evictable. Snapshot
-    rows are the device store's rows; the index never holds a snapshot deeper than its pages.
+    rows are the device store's rows; the index never holds a snapshot deeper than its pages, and a
+    row an admitted request has yet to restore (`pinned`) is not reused.
     """
 
     def __init__(self, page_size: int, snapshot_rows: int):
@@ -54,6 +55,7 @@ class PrefixIndex:
         self.refs: dict[int, int] = {}  # indexed page -> running readers
         self.snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> store row
         self.free_rows = list(range(snapshot_rows - 1, -1, -1))
+        self.pinned: dict[int, int] = {}  # store row -> admitted requests yet to restore it
         self.counters = {"prefix_hits": 0, "prefix_misses": 0, "prefix_cached_tokens": 0,
                          "prefix_page_evictions": 0, "prefix_snapshot_evictions": 0}
 
@@ -78,9 +80,18 @@ class PrefixIndex:
         self.snapshots.move_to_end(keys[best - 1])
         return Hit(best * self.page_size, [self.pages[k] for k in keys[:best]], self.snapshots[keys[best - 1]])
 
-    def acquire(self, pages: list[int]) -> None:
-        for p in pages:
+    def acquire(self, hit: Hit) -> None:
+        """A request reads `hit`: its pages and its snapshot row stay until `release` / `restored`."""
+        for p in hit.pages:
             self.refs[p] += 1
+        if hit.row is not None:
+            self.pinned[hit.row] = self.pinned.get(hit.row, 0) + 1
+
+    def restored(self, row: int) -> None:
+        """A request has copied snapshot `row` (or gave up on it): the row may be reused."""
+        self.pinned[row] -= 1
+        if not self.pinned[row]:
+            del self.pinned[row]
 
     def release(self, pages: list[int]) -> list[int]:
         """A request stops reading `pages`: returns those not in the index (the caller frees them)."""
@@ -112,11 +123,11 @@ class PrefixIndex:
         if key in self.snapshots or key not in self.pages:
             return None
         if not self.free_rows:
-            if not self.snapshots:
+            old = next((k for k, r in self.snapshots.items() if r not in self.pinned), None)
+            if old is None:
                 return None
-            _, row = self.snapshots.popitem(last=False)
+            self.free_rows.append(self.snapshots.pop(old))
             self.counters["prefix_snapshot_evictions"] += 1
-            self.free_rows.append(row)
         row = self.free_rows.pop()
         self.snapshots[key] = row
         return row

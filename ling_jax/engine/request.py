@@ -124,6 +124,7 @@ class RequestHandle:
         self.tokens: list[int] = []  # every new token so far
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._done = threading.Event()
         self._async: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
 
     @property
@@ -145,6 +146,7 @@ class RequestHandle:
                 return
             self.finish_reason, self.error, self.finished_at = reason, error, time.perf_counter()
         self._deliver(_DONE)
+        self._done.set()
 
     def _deliver(self, item: object) -> None:
         with self._lock:
@@ -182,9 +184,8 @@ class RequestHandle:
             yield item
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """Waits for the request to finish and returns all of its new tokens."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in self:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{self.id}: not finished within {timeout} s")
+        """Waits for the request to finish and returns all of its new tokens (any number of times, from
+        any thread; it reads nothing off the iterators' queues)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.id}: not finished within {timeout} s")
         return list(self.tokens)

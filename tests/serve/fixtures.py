@@ -55,7 +55,8 @@ def codec(tokenizer_dir) -> TextCodec:
 @pytest.fixture(scope="module")
 def server(model, codec) -> Iterator[Served]:
     """The main test server: tokenizer + chat template, max_len 256, pages of 4 tokens, prefix cache."""
-    engine = make_engine(model, max_batch=4, max_len=256, page_size=4, prefix_cache=True)
+    engine = make_engine(model, max_batch=4, max_len=256, page_size=4, prefix_cache=True,
+                         prefix_cache_gb=0.01)
     with serve(engine, codec=codec, model_name="tiny") as s:
         yield s
     engine.shutdown(0.0)

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ling_jax.config import LingConfig
+from ling_jax.engine import Engine
 from serve.app import create_app
 from serve.server import HTTPServer, bind
-from ling_jax.engine import Engine
 from tests.serve.fake_engine import FakeEngine
 
 ENGINE = Engine

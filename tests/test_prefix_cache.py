@@ -1,0 +1,227 @@
+"""The engine's prefix cache: requests that reuse cached prompt pages and KDA snapshots give the tokens
+of `generate` (float32), at every reuse depth, across evictions and under concurrent sharing; the
+index's bookkeeping (hits, pins, leaf-first eviction) and its memory bound."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import ling_jax
+from ling_jax.config import LingConfig
+from ling_jax.engine import Engine, SamplingParams
+from ling_jax.engine.prefix import Hit, PrefixIndex, page_keys
+from ling_jax.params import init_params
+
+K = 4  # tokens per page in these tests
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LingConfig.preset("debug")
+    return cfg, init_params(cfg, seed=11)
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _expected(cfg, params, prompts, n):
+    return ling_jax.generate(cfg, params, prompts, max_new_tokens=n, stop_tokens=())
+
+
+def _run(engine, prompts, n):
+    """Each prompt in turn (the next one submitted after the last finished): (tokens, cached_tokens)."""
+    out = []
+    for p in prompts:
+        h = engine.submit(p, _greedy(n))
+        out.append((h.result(), h.cached_tokens))
+    return out
+
+
+def test_reuse_at_every_depth_equals_generate(model):
+    """A base prompt, then prompts sharing 0 .. all of it (on and off page, chunk and snapshot
+    boundaries): every request's tokens are `generate`'s, and each reuses the deepest cached boundary
+    below its last token that has a snapshot."""
+    cfg, params = model
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, cfg.vocab_size, 43).tolist()
+    # snapshots of the base: every 2 pages (8, 16, .., 40) and the last boundary below its last token (40)
+    shared = [0, 3, 4, 7, 8, 9, 16, 17, 23, 24, 40, 41, 42, 43]
+    prompts = [base] + [base[:m] + rng.integers(0, cfg.vocab_size, 6).tolist() for m in shared] + [base]
+    engine = Engine(cfg, params, max_batch=2, max_len=96, page_size=K, prefill_chunk=16, prefix_cache=True,
+                    prefix_cache_gb=0.01, snapshot_pages=2)
+    engine.start()
+    try:
+        got = _run(engine, prompts, 6)
+    finally:
+        engine.shutdown(5)
+    assert [t for t, _ in got] == _expected(cfg, params, prompts, 6)
+    cached = [c for _, c in got]
+    assert cached[0] == 0 and cached[-1] == 40  # the repeat restores the snapshot at 40 and runs 41..43
+    for m, c in zip(shared, cached[1:-1], strict=True):
+        # the deepest snapshot of the base at or below both the shared part and the new prompt's last token
+        assert c == max([b for b in (*range(8, 41, 8), 40) if b <= m] or [0]), (m, c)
+    stats = engine.stats()
+    assert stats["prefix_hits"] == sum(c > 0 for c in cached) and stats["prefix_cached_tokens"] == sum(cached)
+
+
+def test_logprobs_equal_the_cache_off(model):
+    """The log-probabilities (and top alternatives) of the new tokens of requests served from the
+    cache are those of the same requests with the cache off."""
+    cfg, params = model
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, cfg.vocab_size, 37).tolist()
+    prompts = [base, base[:30] + [5, 6], base + [7], base[:17] + [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+    outs = {}
+    for on in (False, True):
+        engine = Engine(cfg, params, max_batch=1, max_len=64, page_size=K, prefill_chunk=16, prefix_cache=on,
+                        prefix_cache_gb=0.01, snapshot_pages=2)
+        engine.start()
+        try:
+            hs = [engine.submit(p, sampling) for p in prompts]
+            outs[on] = [(list(h), h.cached_tokens) for h in hs]
+        finally:
+            engine.shutdown(5)
+    assert [c for _, c in outs[True]] == [0, 24, 36, 16]
+    for (off, _), (on, _) in zip(outs[False], outs[True], strict=True):
+        assert [o.token_id for o in on] == [o.token_id for o in off]
+        for a, b in zip(on, off, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            np.testing.assert_allclose([v for _, v in a.top_logprobs], [v for _, v in b.top_logprobs], atol=1e-5)
+
+
+def test_sharing_under_concurrency_equals_generate(model):
+    """Many clients whose prompts share a few system prefixes (some of them long enough to be
+    prefilled in several chunks), with more clients than slots: every request's tokens are
+    `generate`'s; after they finish no page is read by anyone and the pool holds only cached pages."""
+    cfg, params = model
+    rng = np.random.default_rng(1)
+    systems = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 30, 52)]
+    prompts = [systems[i % 3] + rng.integers(0, cfg.vocab_size, int(rng.integers(1, 9))).tolist() for i in range(18)]
+    n = [int(m) for m in rng.integers(1, 10, len(prompts))]
+    engine = Engine(cfg, params, max_batch=4, max_len=80, page_size=K, prefill_chunk=16, decode_steps=3,
+                    prefix_cache=True, prefix_cache_gb=0.01, snapshot_pages=3)
+    engine.start()
+    results: list = [None] * len(prompts)
+    nxt = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def client():
+        while (i := _next(nxt, lock)) is not None:
+            h = engine.submit(prompts[i], _greedy(n[i]))
+            results[i] = (h.result(), h.cached_tokens)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.shutdown(5)
+    want = _expected(cfg, params, prompts, max(n))
+    assert [r[0] for r in results] == [w[:m] for w, m in zip(want, n, strict=True)]
+    assert sum(r[1] > 0 for r in results) >= 9  # most requests found their system prompt cached
+    index = engine.prefix
+    assert all(r == 0 for r in index.refs.values()) and not index.pinned
+    assert engine.stats()["pages_used"] == len(index.pages)
+
+
+def _next(it, lock):
+    with lock:
+        return next(it, None)
+
+
+def test_eviction_and_rebuild_equal_generate(model):
+    """A pool and snapshot store too small to keep every prefix: cached pages and snapshots are
+    evicted (least recently used first) to admit new requests, evicted prefixes are rebuilt when
+    their prompts return, and every request's tokens are still `generate`'s."""
+    cfg, params = model
+    rng = np.random.default_rng(2)
+    systems = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(4)]
+    order = [0, 1, 2, 3, 0, 1, 0, 2, 3, 3, 1]
+    prompts = [systems[i] + rng.integers(0, cfg.vocab_size, 3).tolist() for i in order]
+    probe = Engine(cfg, params, max_batch=1, max_len=40, page_size=K, prefix_cache=True, prefix_cache_gb=1e-3)
+    row = probe.prefix_bytes // len(probe.prefix.free_rows)
+    # 2 requests' worth of pages (10 each) + page 0; two snapshot rows
+    engine = Engine(cfg, params, max_batch=1, max_len=40, page_size=K, num_pages=21, prefill_chunk=16,
+                    prefix_cache=True, prefix_cache_gb=2.5 * row / 1e9)
+    assert engine.prefix_bytes == 2 * row and engine.prefix_bytes <= 2.5 * row
+    engine.start()
+    try:
+        got = _run(engine, prompts, 5)
+    finally:
+        engine.shutdown(5)
+    assert [t for t, _ in got] == _expected(cfg, params, prompts, 5)
+    stats = engine.stats()
+    assert stats["prefix_page_evictions"] > 0 and stats["prefix_snapshot_evictions"] > 0
+    assert stats["prefix_snapshots"] <= 2 and stats["pages_used"] <= 20
+    cached = [c for _, c in got]
+    assert cached[4] == 0 and cached[6] == 24  # system 0 was evicted by 2 and 3, then rebuilt and reused
+    assert cached[9] == 24  # 3 right after 3
+
+
+def test_prompt_logprobs_bypass_the_cache(model):
+    """A request asking for prompt log-probabilities runs its whole prompt (cached_tokens 0) and gets
+    one per prompt token; greedy tokens are the same either way."""
+    cfg, params = model
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, cfg.vocab_size, 21).tolist()
+    engine = Engine(cfg, params, max_batch=1, max_len=40, page_size=K, num_pages=21, prefix_cache=True,
+                    prefix_cache_gb=0.01)
+    engine.start()
+    try:
+        first = engine.submit(prompt, _greedy(4))
+        first.result()
+        scored = engine.submit(prompt, SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1))
+        again = engine.submit(prompt, _greedy(4))
+        assert scored.result() == again.result() == first.result()
+    finally:
+        engine.shutdown(5)
+    assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(prompt)
+    assert again.cached_tokens == 20
+
+
+def test_index_bookkeeping():
+    """Lookup finds the deepest prefix with every page and a snapshot; acquired pages are not evicted;
+    a pinned snapshot row is not reused; eviction takes a prefix's later pages before its earlier
+    ones and drops the snapshots past an evicted page."""
+    index = PrefixIndex(page_size=2, snapshot_rows=2)
+    a = [1, 2, 3, 4, 5, 6, 7]  # 3 full pages
+    keys = page_keys(a, 2)
+    assert keys == page_keys([*a[:6], 9], 2) and keys[:1] != page_keys([1, 3], 2)
+    assert index.add_pages(keys, [10, 11, 12]) == [10, 11, 12]
+    assert index.release([10, 11, 12]) == [] and index.evictable() == 3  # their request ends
+    assert index.lookup(np.array(a)) == Hit()  # pages but no snapshot
+    r1 = index.snapshot_row(keys[0])
+    r2 = index.snapshot_row(keys[2])
+    assert index.snapshot_row(keys[2]) is None  # already there
+    assert index.lookup(np.array(a)) == Hit(6, [10, 11, 12], r2)
+    assert index.lookup(np.array(a[:6])) == Hit(2, [10], r1)  # the last token is always run
+    hit = index.lookup(np.array([*a, 8]))
+    index.acquire(hit)
+    assert hit.row == r2 and index.evict(3) == []  # every page is read
+    assert index.snapshot_row(keys[1]) == r1 and keys[0] not in index.snapshots  # r2 is pinned: r1 goes
+    b = [1, 2, 9, 9]  # shares page 0 with a
+    keys_b = page_keys(b, 2)
+    assert index.add_pages(keys_b, [10, 13]) == [13]
+    assert index.snapshot_row(keys_b[1]) == r1  # still not r2
+    index.restored(hit.row)
+    index.release(hit.pages)
+    assert index.evict(1) == [12] and keys[2] not in index.snapshots  # a's deepest page first, its snapshot
+    assert index.evict(1) == [11]  # then the next deepest (page 0 was used with b, after a's pages)
+    assert index.counters["prefix_snapshot_evictions"] == 2 and index.counters["prefix_page_evictions"] == 2
+    assert index.release([10, 99]) == [99]  # a page not in the index is the caller's to free
+
+
+def test_prefix_cache_arguments(model):
+    cfg, params = model
+    with pytest.raises(ValueError, match="holds no KDA snapshot"):
+        Engine(cfg, params, max_batch=1, max_len=40, page_size=K, prefix_cache=True, prefix_cache_gb=1e-9)
+    with pytest.raises(ValueError, match="snapshot_pages=0"):
+        Engine(cfg, params, max_batch=1, max_len=40, page_size=K, prefix_cache=True, snapshot_pages=0)
