@@ -5,7 +5,6 @@ statistics, and models without an MTP layer refused."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -41,9 +40,11 @@ def _prompts(cfg, lengths=(7, 3, 12, 1, 5), seed=1):
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
 
 
-def test_verify_and_commit_equal_one_token_steps(debug_model):
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "layer_scans"])
+def test_verify_and_commit_equal_one_token_steps(debug_model, unroll):
     """Verifying T tokens per row gives the logits of T one-token steps, and committing a[b] of them
-    (0..T, per row) gives the cache of a[b] one-token steps (rows past the new lengths aside)."""
+    (0..T, per row) gives the cache of a[b] one-token steps (rows past the new lengths aside); the
+    verify's layers unrolled and in scans."""
     cfg, params = debug_model
     rng = np.random.default_rng(0)
     lengths = jnp.asarray([9, 4, 6, 2])
@@ -51,7 +52,7 @@ def test_verify_and_commit_equal_one_token_steps(debug_model):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 3)))
     cache, _ = prefill_cache(cfg, params, prompt, lengths, 16)
     logits, _, new = jax.jit(verify_step, static_argnums=(0, 1, 5))(cfg, _kernels(cfg, params), params, cache,
-                                                                     tokens, True)
+                                                                     tokens, unroll)
     steps, c = [cache], cache
     want = []
     for i in range(3):
@@ -121,7 +122,7 @@ def _speculate(cfg, params, prompts, max_new, k, *, forced=None, stop=(), temper
     return [out[i, :counts[i]].tolist() for i in range(len(rows))], {n: int(v) for n, v in st.items()}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_greedy_tokens_unchanged(debug_model, k):
     """Greedy tokens with k drafts per step are the tokens without, in a batch of mixed prompt lengths:
     with the MTP layer's drafts, with drafts forced to the model's own tokens (all accepted: k + 1
@@ -148,7 +149,7 @@ def test_greedy_tokens_unchanged(debug_model, k):
     assert out == generate(cfg, params, prompts, max_new_tokens=12, stop_tokens=[stop])
 
 
-@pytest.mark.parametrize("k", [1, 2, pytest.param(3, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_golden_greedy_decode_speculative(golden_a, k):
     """The reference's greedy tokens of golden set A, decoded with k drafts per step."""
     cfg, params, g = golden_a
@@ -224,8 +225,63 @@ def test_acceptance_keeps_the_model_distribution(temperature, top_k, top_p):
     emitted = np.where(np.arange(k + 1) < accepted[:, None], np.pad(drafts, ((0, 0), (0, 1))), final[:, None])
     p = _filtered_probs(ACCEPT_LOGITS, temperature, top_k, top_p)
     q = _filtered_probs(DRAFT_LOGITS, temperature, top_k, top_p)
-    assert 0.2 < np.mean(accepted >= 1) < 0.9  # drafts are accepted and rejected
     for slot in range(k + 1):
         rows = accepted >= slot
         assert _chi2_pvalue(emitted[rows, slot], p[slot]) > 1e-4, f"slot {slot}"
+    assert 0.2 < np.mean(accepted >= 1) < 0.9  # drafts are accepted and rejected
     assert np.abs(p[0] - q[0]).sum() > 0.3  # the test distinguishes p from q
+
+
+def test_sampled_tokens_have_the_model_distribution():
+    """Over 2000 seeds, the tokens sampled with 2 drafts per step (MTP drafts, top-k and top-p on)
+    and without speculation both follow the model's marginal distribution at each output index,
+    computed exactly from its logits over every continuation (chi-square). A small vocabulary and a
+    scaled lm_head make the main and draft distributions peaked and partly overlapping, so that drafts
+    are accepted and rejected; a wrong acceptance rule fails this test (accepting every draft, or
+    drawing a rejected draft's replacement from p instead of max(0, p - q))."""
+    cfg = LingConfig.preset("debug", vocab_size=16, num_hidden_layers=3, kv_lora_rank=8)
+    params = init_params(cfg, seed=11)
+    params["lm_head"] = params["lm_head"] * 5
+    prompt, n, v = [3, 5, 7], 2000, cfg.vocab_size
+    kw = dict(max_new_tokens=4, temperature=1.0, top_k=10, top_p=0.95, stop_tokens=(), seed=list(range(n)))
+    stats = {}
+    spec = np.asarray(generate(cfg, params, [prompt] * n, speculative_tokens=2, stats=stats, **kw))
+    plain = np.asarray(generate(cfg, params, [prompt] * n, **kw))
+    cont = np.array(list(itertools.product(range(v), repeat=3)))  # every continuation of 3 tokens
+    logits = np.asarray(ling_jax.forward(cfg, params, jnp.asarray([prompt + c.tolist() for c in cont])))
+    probs = _filtered_probs(logits[:, len(prompt) - 1:], 1.0, 10, 0.95)  # [V^3, 4, V]: each index given the prefix
+    prefix = probs[:, 0, :][0][cont[:, 0]] * probs[np.arange(len(cont)), 1, cont[:, 1]]  # P(x0, x1)
+    marginals = [np.bincount(cont[:, 1], weights=prefix, minlength=v) / v,  # each (x0, x1) appears V times
+                 np.bincount(cont[:, 2], weights=prefix * probs[np.arange(len(cont)), 2, cont[:, 2]], minlength=v),
+                 (prefix * probs[np.arange(len(cont)), 2, cont[:, 2]]) @ probs[:, 3, :]]
+    for j, m in enumerate(marginals, start=1):
+        assert _chi2_pvalue(spec[:, j], m) > 1e-4, f"speculative, token {j}"
+        assert _chi2_pvalue(plain[:, j], m) > 1e-4, f"plain, token {j}"
+    assert 0.1 < stats["acceptance_rate"] < 0.9  # drafts are accepted and rejected
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(debug_model):
+    """With speculation a sampled row draws from its own keys: the same tokens again, alone and at
+    another place in a batch; another seed draws other tokens."""
+    cfg, params = debug_model
+    prompts = _prompts(cfg)
+    kw = dict(max_new_tokens=8, temperature=1.0, top_k=20, top_p=0.9, stop_tokens=(), speculative_tokens=2)
+    a = generate(cfg, params, prompts, seed=5, **kw)
+    assert a == generate(cfg, params, prompts, seed=5, **kw)
+    assert a != generate(cfg, params, prompts, seed=6, **kw)
+    assert generate(cfg, params, [prompts[2]], seed=5, **kw) == [a[2]]
+    assert generate(cfg, params, prompts[::-1], seed=5, **kw) == a[::-1]
+
+
+def test_speculation_needs_an_mtp_layer():
+    cfg = LingConfig.preset("debug", num_nextn_predict_layers=0)
+    params = init_params(cfg, seed=0)
+    assert not params["mtp"]
+    with pytest.raises(ValueError, match=r"speculative_tokens=2 drafts with the MTP layer.*num_nextn_predict_layers=0"):
+        generate(cfg, params, [[1, 2]], max_new_tokens=4, speculative_tokens=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="speculative_tokens=.* must be an integer >= 0"):
+            generate(cfg, params, [[1, 2]], max_new_tokens=4, speculative_tokens=bad)
+    stats = {}
+    generate(cfg, params, [[1, 2]], max_new_tokens=2, speculative_tokens=0, stats=stats)
+    assert stats == {"speculative_tokens": 0}

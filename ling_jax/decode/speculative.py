@@ -144,7 +144,7 @@ def speculative_loop(cfg: LingConfig, params: Params, cache: Cache, mtp_latent: 
                              temperature, top_k, top_p, stop_S, n_new, forced_drafts, k=k, unroll_layers=unroll_layers)
 
 
-def _drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Array, tok_BT: jax.Array,
+def mtp_drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Array, tok_BT: jax.Array,
             h_BTD: jax.Array, m_B: jax.Array, lengths_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
             sampling: tuple[jax.Array, ...], k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """k drafts per row from the MTP layer (module doc, 1): (drafts [B, k], log q [B, k, V], MTP cache).
@@ -183,7 +183,7 @@ def _speculative_loop(cfg: LingConfig, kernels: Kernels, params: Params, cache: 
         lengths, m = cache["lengths"], state["m"]
         pending = jnp.take_along_axis(state["tok"], (m - 1)[:, None], axis=1)
         if forced is None:
-            drafts, logq, latent = _drafts(cfg, kernels, params, state["latent"], state["tok"], state["h"], m,
+            drafts, logq, latent = mtp_drafts(cfg, kernels, params, state["latent"], state["tok"], state["h"], m,
                                            lengths, keys_B, counts, sampling, k)
         else:
             drafts = jnp.take_along_axis(forced, jnp.minimum(counts[:, None] + jnp.arange(k), forced.shape[1] - 1),
