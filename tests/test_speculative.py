@@ -16,11 +16,10 @@ from conftest import decode_one, prefill_cache, rel_l2
 import ling_jax
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import row_keys
-from ling_jax.decode.speculative import accept, draft_token, index_keys, speculative_loop
-from ling_jax.decode.verify import commit, mtp_step, prefill_speculative, verify_step
+from ling_jax.decode.speculative import accept, draft_token, index_keys, mtp_drafts, speculative_loop
+from ling_jax.decode.verify import commit, prefill_speculative, verify_step
 from ling_jax.generate import generate
 from ling_jax.kernels import select
-from ling_jax.model import lm_head
 from ling_jax.params import init_params
 
 
@@ -80,27 +79,39 @@ def _assert_row_equal(x, want, b, n, name):
 
 
 def test_mtp_cache_follows_the_sequence_form(debug_model):
-    """The MTP layer's rows from the prefill, then the draft position L - 1, then the positions of
-    verified tokens (as drafting runs it) give the MTP logits of `forward_with_mtp` over the whole
-    sequence: position t sees the token at t + 1 and the main hidden state at t."""
+    """Drafting from the prefill (MTP position L - 1), then after a verify of 3 tokens (positions L to
+    L + 2, replacing the draft rows there) gives the MTP layer's distribution of `forward_with_mtp` over
+    the whole sequence at the last position: position t sees the token at t + 1 and the main hidden
+    state at t, and the rows before it hold the same."""
     cfg, params = debug_model
     kernels = _kernels(cfg, params)
+    k = 3
     rng = np.random.default_rng(2)
     lengths = np.array([7, 4])
     ids = rng.integers(0, cfg.vocab_size, (2, 7))
     more = rng.integers(0, cfg.vocab_size, (2, 4))  # x_L, then three verified tokens' successors
     cache, _, h_last, latent = prefill_speculative(cfg, kernels, params, jnp.asarray(ids), jnp.asarray(lengths), 32)
-    mtp = jax.jit(mtp_step, static_argnums=(0, 1))
-    g, latent = mtp(cfg, kernels, params, latent, jnp.asarray(more[:, :1]), h_last[:, None], jnp.asarray(lengths - 1))
-    _, h_new, new = jax.jit(verify_step, static_argnums=(0, 1, 5))(cfg, kernels, params, cache,
-                                                                    jnp.asarray(more[:, :3]), True)
-    cache = commit(cache, new, jnp.asarray([3, 3]))
-    g3, _ = mtp(cfg, kernels, params, latent, jnp.asarray(more[:, 1:]), h_new, jnp.asarray(lengths))
+    keys = jax.random.split(jax.random.key(0), 2)
+    sampling = (jnp.ones((2,)), jnp.zeros((2,), jnp.int32), jnp.ones((2,)))  # temperature 1, unfiltered: q = softmax
+
+    @jax.jit
+    def drafts(latent, tok, h, m, lengths):
+        pad = k + 1 - tok.shape[1]
+        tok, h = jnp.pad(tok, ((0, 0), (0, pad))), jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        return mtp_drafts(cfg, kernels, params, latent, tok, h, m, lengths, keys, jnp.ones((2,), jnp.int32),
+                          sampling, k)
+
+    _, logq_first, latent = drafts(latent, jnp.asarray(more[:, :1]), h_last[:, None], jnp.ones((2,), jnp.int32),
+                                   jnp.asarray(lengths))
+    _, h_new, _ = jax.jit(verify_step, static_argnums=(0, 1, 5))(cfg, kernels, params, cache,
+                                                                  jnp.asarray(more[:, :3]), True)
+    _, logq_next, _ = drafts(latent, jnp.asarray(more[:, 1:]), h_new, jnp.full((2,), 3, jnp.int32),
+                             jnp.asarray(lengths + 3))
     for r, n in enumerate(lengths):
         seq = np.concatenate([ids[r, :n], more[r]])[None]
         _, (want,) = ling_jax.forward_with_mtp(cfg, params, jnp.asarray(seq))
-        got = lm_head(cfg, params, jnp.concatenate([g[r:r + 1], g3[r:r + 1]], axis=1))
-        assert rel_l2(got[0], want[0, n - 1:n + 3]) < 1e-5, f"row {r}"
+        want = jax.nn.log_softmax(want[0, [n - 1, n + 2]], axis=-1)
+        assert rel_l2(jnp.stack([logq_first[r, 0], logq_next[r, 0]]), want) < 1e-6, f"row {r}"
 
 
 def _speculate(cfg, params, prompts, max_new, k, *, forced=None, stop=(), temperature=0.0, top_k=0, top_p=1.0,
