@@ -91,8 +91,9 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
 
     `speculative_tokens=k` (> 0; needs an MTP layer, else ValueError) decodes with the MTP layer
     drafting k tokens per step and the main model verifying k + 1 positions in one call
-    (`ling_jax.decode.speculative`): greedy tokens are the ones without it (to float32 rounding of the
-    logits), sampled tokens have the same distribution (drawn differently: other tokens for a seed).
+    (`ling_jax.decode.speculative`): greedy tokens are the ones without it (the verify step's logits
+    are the one-token step's up to rounding: in float32 the same tokens, exact ties aside), sampled
+    tokens have the same distribution (drawn differently: other tokens for a seed).
     `stats`, a dict, receives the decoding statistics: "speculative_tokens", and with k > 0 "steps"
     (verify calls), "row_steps" (verify steps summed over the rows still generating), "accepted_drafts",
     "mean_accepted_length" (tokens per row per verify step, 1 to k + 1) and "acceptance_rate" (accepted

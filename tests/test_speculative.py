@@ -146,6 +146,8 @@ def test_greedy_tokens_unchanged(debug_model, k):
     assert generate(cfg, params, prompts, max_new_tokens=12, stop_tokens=(), speculative_tokens=k, stats=stats) == want
     assert stats["speculative_tokens"] == k and 1 <= stats["mean_accepted_length"] <= k + 1
     assert stats["row_steps"] >= 5 * 11 / (k + 1)
+    one = generate(cfg, params, prompts, max_new_tokens=1, stop_tokens=(), speculative_tokens=k, stats=stats)
+    assert one == [w[:1] for w in want] and stats["row_steps"] == 0 and stats["mean_accepted_length"] is None
     forced = np.asarray(generate(cfg, params, prompts, max_new_tokens=12 + k + 1, stop_tokens=()))
     out, st = _speculate(cfg, params, prompts, 12, k, forced=forced)
     assert out == want
