@@ -164,13 +164,16 @@ def test_greedy_tokens_unchanged(debug_model, k):
 
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_golden_greedy_decode_speculative(golden_a, k):
-    """The reference's greedy tokens of golden set A, decoded with k drafts per step."""
+    """The reference's greedy tokens of golden set A, decoded with k drafts per step: the MTP layer's
+    drafts (this random model's are all rejected) and drafts forced to the reference tokens (accepted
+    but at the end of the 16)."""
     cfg, params, g = golden_a
     stats = {}
-    got = generate(cfg, params, g["decode_prompt_ids"].tolist(), max_new_tokens=16, stop_tokens=(),
-                   speculative_tokens=k, stats=stats)
-    assert got == g["decode_generated_ids"].tolist()
+    prompts, want = g["decode_prompt_ids"].tolist(), g["decode_generated_ids"].tolist()
+    assert generate(cfg, params, prompts, max_new_tokens=16, stop_tokens=(), speculative_tokens=k, stats=stats) == want
     assert 1 <= stats["mean_accepted_length"] <= k + 1
+    got, st = _speculate(cfg, params, prompts, 16, k, forced=g["decode_generated_ids"])
+    assert got == want and st["accepted"] >= 2 * (15 // (k + 1)) * k
 
 
 def _filtered_probs(logits, temperature, top_k, top_p):

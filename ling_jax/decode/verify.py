@@ -16,6 +16,11 @@ one-token steps (to float32 rounding): lengths + a, the KDA state after a tokens
 ending at the a-th token; the T new latent rows are written at lengths..lengths + T - 1, and the
 rows past lengths + a (rejected positions) are hidden by `lengths` until overwritten.
 
+Kernels. The verify step and the MTP layer run the layers' sequence forms (a record of
+`kernels.select(..., inference=True)`): matmuls over the B x T rows, the absorbed attention in XLA
+over the whole latent allocation (masked past each row's length), the KDA token scan; the decode
+step's one-token kernels and stack views do not apply.
+
 The KDA state after a row's accepted tokens: the verify keeps each KDA layer's recurrence inputs
 (L2-normed k, v, log-decay g, beta of the T tokens) and `commit` re-runs the token recurrence from the
 cached state with g = 0 and beta = 0 past each row's count — identity steps, so the state is bit for
