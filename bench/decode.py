@@ -25,6 +25,13 @@ linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(k
 returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
 every configuration and prints where the device time goes (`bench/device_profile.py`).
 
+`--speculative-tokens K` times speculative decoding's parts instead, at each batch and context, in
+the same process on the same random cache: the one-token step (`decode_step`, as the loop runs it),
+the verify step of K + 1 positions per row with the commit of all of them (`decode.verify`), and the
+K drafts of the MTP layer (`decode.speculative.mtp_drafts`); it reports verify / one-token step and
+(drafts + verify) / one-token step, the mean accepted length above which a speculative step beats
+one-token steps (the acceptance, sampling and output handling left out).
+
 `--variant NAME:FIELD=VALUE,...` (repeatable) times the same configurations again with the tuned
 constants overridden (`ling_jax.kernels.tuned`: e.g. `gemv_programs=132,prefetch_shared=False`),
 after the table's setting, in the same process: the params are built once and every variant meets
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 import time
 from pathlib import Path
@@ -46,12 +54,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, machine, random_fp8_params, random_params, write_json
+from bench.common import copy_bandwidth, machine, median_time, random_fp8_params, random_params, write_json
 from bench.device_profile import device_profile, print_profile
-from ling_jax.cache import cache_shapes
+from ling_jax.cache import cache_length, cache_shapes
 from ling_jax.config import LingConfig
-from ling_jax.decode import decode_loop
-from ling_jax.kernels import tuned
+from ling_jax.decode import decode_loop, decode_step, fuse_for_decode
+from ling_jax.decode.speculative import mtp_drafts
+from ling_jax.decode.verify import commit, verify_step
+from ling_jax.kernels import Kernels, select, tuned
 from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
 
 
@@ -154,6 +164,68 @@ def measure(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Names
     return run
 
 
+_one_token = jax.jit(decode_step, static_argnums=(0, 1, 5), donate_argnums=(3,))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))
+def _verify_all(cfg: LingConfig, kernels: Kernels, params: Any, cache: dict, tokens_BT: jax.Array,
+                unroll: bool) -> tuple[dict, jax.Array]:
+    """The verify step on T tokens per row, all committed: (cache advanced by T, logits [B, T, V])."""
+    logits, _, new = verify_step(cfg, kernels, params, cache, tokens_BT, unroll)
+    return commit(cache, new, jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)), logits
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=(3,))
+def _drafts(cfg: LingConfig, kernels: Kernels, params: Any, latent: jax.Array, tok_BT: jax.Array, h_BTD: jax.Array,
+            lengths_B: jax.Array, keys_B: jax.Array, counts_B: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """k greedy drafts per row after a verify that accepted every position: (drafts [B, k], MTP cache)."""
+    b = tok_BT.shape[0]
+    greedy = (jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
+    drafts, _, latent = mtp_drafts(cfg, kernels, params, latent, tok_BT, h_BTD, jnp.full((b,), k + 1, jnp.int32),
+                                   lengths_B, keys_B, counts_B, greedy, k)
+    return drafts, latent
+
+
+def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Namespace,
+                        name: str) -> dict[str, Any]:
+    """One configuration of `--speculative-tokens K` (module doc): ms per one-token step, per verify step of
+    K + 1 positions (committed), per K drafts, each the median of `args.reps` calls continuing the cache."""
+    k, reps, unroll = args.speculative_tokens, args.reps, not args.scan
+    dtype = jnp.bfloat16
+    slots = ctx + (reps + 1) * (k + 1) + k
+    decode_kernels = select(cfg, dtype=dtype, decode=True, unroll=unroll)
+    seq_kernels = select(cfg, dtype=dtype, inference=True)
+    rng = np.random.default_rng(b)
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, k + 1)), jnp.int32)
+    latent = (0.1 * jax.random.normal(jax.random.key(1), (b, cache_length(slots),
+                                                           cfg.kv_lora_rank + cfg.qk_rope_head_dim))).astype(dtype)
+    hidden = jax.random.normal(jax.random.key(2), (b, k + 1, cfg.hidden_size), dtype)
+    state = {"one": random_cache(cfg, b, slots, ctx, dtype), "verify": random_cache(cfg, b, slots, ctx, dtype),
+             "latent": latent}
+    keys = jax.random.split(jax.random.key(0), b)
+    fused = jax.jit(fuse_for_decode, static_argnums=(0, 1))(cfg, decode_kernels, params)  # what the loop steps on
+
+    def one() -> jax.Array:
+        state["one"], logits = _one_token(cfg, decode_kernels, fused, state["one"], toks[:, 0], unroll)
+        return logits
+
+    def verify() -> jax.Array:
+        state["verify"], logits = _verify_all(cfg, seq_kernels, params, state["verify"], toks, unroll)
+        return logits
+
+    def drafts() -> jax.Array:
+        out, state["latent"] = _drafts(cfg, seq_kernels, params, state["latent"], toks, hidden,
+                                       state["verify"]["lengths"], keys, jnp.ones((b,), jnp.int32), k)
+        return out
+
+    times = {label: 1e3 * median_time(fn, reps=reps) for label, fn in
+             (("one_token", one), ("verify", verify), ("drafts", drafts))}
+    return {"variant": name, "batch": b, "context": ctx, "speculative_tokens": k,
+            "one_token_step_ms": times["one_token"], "verify_step_ms": times["verify"], "drafts_ms": times["drafts"],
+            "verify_over_one_token": times["verify"] / times["one_token"],
+            "breakeven_accepted_length": (times["verify"] + times["drafts"]) / times["one_token"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -171,6 +243,8 @@ def main() -> None:
                     help="with --profile: also keep the first N kernels of a traced call in launch order")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="also time every configuration with these tuned constants (module doc)")
+    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                    help="time the one-token step, the verify step of K + 1 positions and K MTP drafts (module doc)")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
     variants = [("tuned", {})] + [parse_variant(v) for v in args.variant]
@@ -192,6 +266,15 @@ def main() -> None:
         with tuned(**patches):
             for b in args.batches:
                 for ctx in args.contexts:
+                    if args.speculative_tokens:
+                        result["runs"].append(run := measure_speculative(cfg, params, b, ctx, args, name))
+                        print(f"{name:>12s} B={b:4d} ctx={ctx:6d}: one-token step {run['one_token_step_ms']:8.3f} ms  "
+                              f"verify ({args.speculative_tokens + 1} positions) {run['verify_step_ms']:8.3f} ms "
+                              f"({run['verify_over_one_token']:.2f}x)  {args.speculative_tokens} drafts "
+                              f"{run['drafts_ms']:8.3f} ms  break-even accepted length "
+                              f"{run['breakeven_accepted_length']:.2f}", flush=True)
+                        write_json(args.out, result)
+                        continue
                     result["runs"].append(run := measure(cfg, params, b, ctx, args, bw, name))
                     print(f"{name:>12s} B={b:4d} ctx={ctx:6d}: {run['ms_per_step']:8.3f} ms/step  "
                           f"{run['tokens_per_s']:10.1f} tok/s  floor {run['hbm_floor_ms']:.3f} ms "

@@ -21,6 +21,8 @@ from ling_jax.cache import cache_length
 from ling_jax.config import LingConfig
 from ling_jax.decode import decode_loop, prefill
 from ling_jax.decode.sampling import row_keys
+from ling_jax.decode.speculative import speculative_loop
+from ling_jax.decode.verify import has_mtp, prefill_speculative
 from ling_jax.kernels import select
 from ling_jax.params import Params
 from ling_jax.sharding import warn_without_mesh
@@ -75,7 +77,8 @@ def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: An
 
 def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-             stop_tokens: Sequence[int] | None = None, unroll_layers: bool = True) -> list[list[int]]:
+             stop_tokens: Sequence[int] | None = None, unroll_layers: bool = True, speculative_tokens: int = 0,
+             stats: dict[str, Any] | None = None) -> list[list[int]]:
     """New tokens for each prompt (token ids: a list, tuple or 1-D array), stopping after a stop token
     (included).
 
@@ -85,14 +88,29 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     `seed` is a sequence (one seed per prompt). Seeds are 64-bit integers. One jitted prefill and one
     jitted decode loop; `unroll_layers=False` compiles its step with layer scans (`decode_loop`): a
     faster compile, slower steps.
+
+    `speculative_tokens=k` (> 0; needs an MTP layer, else ValueError) decodes with the MTP layer
+    drafting k tokens per step and the main model verifying k + 1 positions in one call
+    (`ling_jax.decode.speculative`): greedy tokens are the ones without it (the verify step's logits
+    are the one-token step's up to rounding: in float32 the same tokens, exact ties aside), sampled
+    tokens have the same distribution (drawn differently: other tokens for a seed).
+    `stats`, a dict, receives the decoding statistics: "speculative_tokens", and with k > 0 "steps"
+    (verify calls), "row_steps" (verify steps summed over the rows still generating), "accepted_drafts",
+    "mean_accepted_length" (tokens per row per verify step, 1 to k + 1) and "acceptance_rate" (accepted
+    drafts / drafted); the two ratios are None when no verify step ran.
     """
     if not isinstance(prompts, Sequence | np.ndarray | jax.Array) or isinstance(prompts, str | bytes):
         raise ValueError(f"prompts: expected a list of token-id sequences, got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not _is_int(speculative_tokens) or speculative_tokens < 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens!r} must be an integer >= 0 (0 = off)")
+    if speculative_tokens and not has_mtp(config, params):
+        raise ValueError(f"speculative_tokens={speculative_tokens} drafts with the MTP layer, and this model has none "
+                         f"(num_nextn_predict_layers={config.num_nextn_predict_layers})")
     warn_without_mesh(params)
-    max_new_tokens, top_k = int(max_new_tokens), int(top_k)  # numpy scalars as Python ints
+    max_new_tokens, top_k, k = int(max_new_tokens), int(top_k), int(speculative_tokens)  # numpy scalars as ints
     seeds = [seed] * len(prompts) if _is_int(seed) else list(seed) if isinstance(seed, Sequence) else None
     if seeds is None or len(seeds) != len(prompts) or not all(_is_int(s) and -2**63 <= s < 2**64 for s in seeds):
         raise ValueError(f"seed={seed!r} must be a 64-bit integer or a sequence of one per prompt")
@@ -115,13 +133,37 @@ def generate(config: LingConfig, params: Params, prompts: Sequence[Sequence[int]
     stop_S = jnp.asarray(stop if stop else (-2,), jnp.int32)  # -2 never sampled
     # static shapes come in buckets (cache slots in whole decode-attention blocks, the output buffer in
     # powers of two), so calls with other prompt lengths or token budgets reuse the compilations
-    slots = cache_length(max(lengths) + max_new_tokens)
+    slots = cache_length(max(lengths) + max_new_tokens + k)  # a verify step writes k rows past the last token
     dtype = params["embed"].dtype
-    cache, logits = prefill(config, select(config, dtype=dtype, inference=True), params, jnp.asarray(ids),
-                            jnp.asarray(lengths, jnp.int32), slots)
-    out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), row_keys(seeds, rows),
-                                 jnp.float32(temperature), jnp.int32(min(top_k, config.vocab_size)),
-                                 jnp.float32(top_p), stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers,
-                                 kernels=select(config, dtype=dtype, decode=True, unroll=unroll_layers))
+    sampling = (jnp.float32(temperature), jnp.int32(min(top_k, config.vocab_size)), jnp.float32(top_p))
+    if k:
+        out, counts = _speculative(config, params, jnp.asarray(ids), lengths, slots, _bucket(max_new_tokens),
+                                   row_keys(seeds, rows), sampling, stop_S, max_new_tokens, k, unroll_layers, stats)
+    else:
+        cache, logits = prefill(config, select(config, dtype=dtype, inference=True), params, jnp.asarray(ids),
+                                jnp.asarray(lengths, jnp.int32), slots)
+        out, counts, _ = decode_loop(config, params, cache, logits, _bucket(max_new_tokens), row_keys(seeds, rows),
+                                     *sampling, stop_S, jnp.int32(max_new_tokens), unroll_layers=unroll_layers,
+                                     kernels=select(config, dtype=dtype, decode=True, unroll=unroll_layers))
+        if stats is not None:
+            stats.update(speculative_tokens=0)
     out, counts = np.asarray(out), np.asarray(counts)
     return [out[i, : counts[i]].tolist() for i in range(len(rows))]
+
+
+def _speculative(config: LingConfig, params: Params, ids: jax.Array, lengths: list[int], slots: int, max_new: int,
+                 keys: jax.Array, sampling: tuple[jax.Array, ...], stop_S: jax.Array, n_new: int, k: int,
+                 unroll_layers: bool, stats: dict[str, Any] | None) -> tuple[jax.Array, jax.Array]:
+    """`generate`'s prefill and decode loop with k drafts per step: (tokens [B, max_new], counts [B])."""
+    kernels = select(config, dtype=params["embed"].dtype, inference=True)
+    cache, logits, hidden, mtp_latent = prefill_speculative(config, kernels, params, ids,
+                                                            jnp.asarray(lengths, jnp.int32), slots)
+    out, counts, _, _, st = speculative_loop(config, params, cache, mtp_latent, logits, hidden, max_new, keys,
+                                             *sampling, stop_S, jnp.int32(n_new), k=k, unroll_layers=unroll_layers,
+                                             kernels=kernels)
+    if stats is not None:
+        steps, row_steps, accepted = (int(st[n]) for n in ("steps", "row_steps", "accepted"))
+        stats.update(speculative_tokens=k, steps=steps, row_steps=row_steps, accepted_drafts=accepted,
+                     mean_accepted_length=(row_steps + accepted) / row_steps if row_steps else None,
+                     acceptance_rate=accepted / (k * row_steps) if row_steps else None)
+    return out, counts

@@ -4,7 +4,8 @@ Prompts are text (encoded with a Hugging Face `tokenizer.json` through the `toke
 or comma-separated token ids. The model comes from an HF checkpoint directory (BF16 or
 block-FP8 safetensors) or an Orbax checkpoint written by `ling-convert` / `ling-train`.
 Prints every output and the tokens/s of the whole call (prefill + decode; including compilation
-unless `--timed-rerun`). Exits 2 on a usage error (a bad flag value, a missing path), 1 when loading
+unless `--timed-rerun`), and with `--speculative-tokens K` the mean accepted length (tokens per row
+per verify step, 1 to K + 1). Exits 2 on a usage error (a bad flag value, a missing path), 1 when loading
 or generating fails (`ling_jax.cli`).
 """
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="compile the decode step with layer scans: a faster compile, slower steps (default: unrolled)")
     ap.add_argument("--timed-rerun", action="store_true",
                     help="generate a second time and report that warm call's tokens/s (the first call compiles)")
+    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                    help="draft K tokens per step with the MTP layer, verified by the model in one step (0 = off); "
+                         "prints the mean accepted length")
     ap.add_argument("--fp8-weights", action="store_true",
                     help="keep the layer weights of an FP8 checkpoint (ling-convert --dtype float8) in FP8 on the "
                          "device, dequantized one layer at a time")
@@ -122,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # CheckpointError, ConfigError: the checkpoint could not be read
         return fail(PROG, str(e), exit_code(e))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, stop_tokens=stop, unroll_layers=not args.scan_layers)
+              top_p=args.top_p, seed=args.seed, stop_tokens=stop, unroll_layers=not args.scan_layers,
+              speculative_tokens=args.speculative_tokens)
+    stats: dict[str, Any] = {}
     try:  # under the mesh the MoE layers dispatch experts across `expert`, caches follow the table
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             t0 = time.perf_counter()
-            outs = ling_jax.generate(cfg, params, prompts, **kw)  # includes compilation
+            outs = ling_jax.generate(cfg, params, prompts, stats=stats, **kw)  # includes compilation
             t1 = t2 = time.perf_counter()
             if args.timed_rerun:
-                outs = ling_jax.generate(cfg, params, prompts, **kw)
+                outs = ling_jax.generate(cfg, params, prompts, stats=stats, **kw)
                 t2 = time.perf_counter()
     except ValueError as e:  # generate's checks of its arguments: the flags' values
         return _usage(str(e))
@@ -139,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         text = f" {tok.decode(o)!r}" if tok else ""
         print(f"[{i}] prompt {len(p)} tokens -> {len(o)} new: {o}{text}")
+    if args.speculative_tokens and stats["mean_accepted_length"] is not None:
+        print(f"speculative decoding, {args.speculative_tokens} drafts per step: mean accepted length "
+              f"{stats['mean_accepted_length']:.2f} tokens per step ({stats['accepted_drafts']} of "
+              f"{stats['row_steps'] * args.speculative_tokens} drafts accepted, {stats['steps']} verify steps)")
     where = f"{jax.devices()[0].platform}" + ("" if mesh is None else f" x {mesh.size} ({args.mesh})")
     if args.timed_rerun:
         print(f"{n_new} new tokens for {len(prompts)} prompt{'s' * (len(prompts) != 1)} on {where}: "

@@ -113,6 +113,23 @@ def test_bench_scripts_run(tmp_path, script):
 
 
 @pytest.mark.heavy
+def test_decode_bench_speculative_runs(tmp_path):
+    """`bench/decode.py --speculative-tokens 2` on the CPU (`--smoke`): the one-token step, the verify step
+    of 3 positions and the 2 drafts timed at every batch and context, with their ratios."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--smoke", "--speculative-tokens", "2",
+                    "--out", str(out)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["batch"], r["context"]) for r in runs] == [(1, 64), (1, 300), (4, 64), (4, 300)]
+    for r in runs:
+        assert r["speculative_tokens"] == 2 and min(r["one_token_step_ms"], r["verify_step_ms"], r["drafts_ms"]) > 0
+        assert r["verify_over_one_token"] == pytest.approx(r["verify_step_ms"] / r["one_token_step_ms"])
+        assert r["breakeven_accepted_length"] == pytest.approx(
+            (r["verify_step_ms"] + r["drafts_ms"]) / r["one_token_step_ms"])
+
+
+@pytest.mark.heavy
 def test_kda_bench_runs(tmp_path):
     """bench/kda.py on the CPU (interpret mode, tiny shapes, no FLA): the per-launch timings with every
     sweep option, and the end-to-end run with its GPU-style checks against the reference at the default

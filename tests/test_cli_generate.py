@@ -55,6 +55,7 @@ def test_text_and_id_prompts(checkpoint, capsys):
     (["--prompt-ids", "1", "--mesh", "expert=16"], "16 but 8 devices"),
     (["--prompt-ids", "1", "--fp8-weights"], "--fp8-weights needs an Orbax checkpoint with FP8 weights"),
     (["--prompt-ids", "1", "--tokenizer", "/nonexistent.json"], "--tokenizer /nonexistent.json"),
+    (["--prompt-ids", "1", "--speculative-tokens", "-1"], "speculative_tokens=-1 must be an integer >= 0"),
 ])
 def test_bad_input_exits_with_one_line(checkpoint, capsys, args, msg):
     if "--checkpoint" not in args:
@@ -75,3 +76,22 @@ def test_unreadable_checkpoint_is_a_failure(checkpoint, tmp_path, capsys):
         assert main(["--checkpoint", str(path), "--prompt-ids", "1"]) == 1
         err = capsys.readouterr().err
         assert err.startswith("ling-generate: error: ") and msg in err and err.count("\n") == 1, err
+
+
+def test_speculative_tokens(checkpoint, tmp_path, capsys):
+    """`--speculative-tokens K`: the greedy tokens without it, and the mean accepted length; a checkpoint
+    without an MTP layer is a usage error (exit 2, one line)."""
+    rc = main(["--checkpoint", str(checkpoint), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-new-tokens", "6",
+               "--stop-tokens", "", "--dtype", "float32", "--speculative-tokens", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cfg, params = ling_jax.load_hf_checkpoint(checkpoint)
+    want = ling_jax.generate(cfg, params, [[5, 6, 7], [9]], max_new_tokens=6, stop_tokens=())
+    assert f"[0] prompt 3 tokens -> 6 new: {want[0]}" in out and f"[1] prompt 1 tokens -> 6 new: {want[1]}" in out
+    assert "speculative decoding, 2 drafts per step: mean accepted length " in out
+    no_mtp = LingConfig.preset("debug", num_nextn_predict_layers=0)
+    save_hf_checkpoint(no_mtp, init_params(no_mtp, seed=4), tmp_path / "no_mtp", dtype="float32")
+    assert main(["--checkpoint", str(tmp_path / "no_mtp"), "--prompt-ids", "1", "--speculative-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ling-generate: error: ") and "has none (num_nextn_predict_layers=0)" in err
+    assert err.count("\n") == 1

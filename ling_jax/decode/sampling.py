@@ -26,20 +26,27 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def sampled() -> jax.Array:
-        logits = logits_BV / jnp.maximum(temperature, 1e-6)[:, None]
-        srt = jnp.sort(logits, axis=-1)[:, ::-1]
-        kth = jnp.where(top_k > 0, jnp.take_along_axis(srt, jnp.clip(top_k - 1, 0, srt.shape[-1] - 1)[:, None],
-                                                        axis=-1)[:, 0], -jnp.inf)
-        probs = jax.nn.softmax(jnp.where(srt >= kth[:, None], srt, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-        keep = (before < top_p[:, None]) & (srt >= kth[:, None])
-        cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
-        masked = jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
+        masked = filtered(logits_BV, temperature, top_k, top_p)
         keys = jax.vmap(jax.random.fold_in)(keys_B, step)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+def filtered(logits_BV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """The logits `sample` draws row b from: logits / temperature[b], -inf outside the top_k[b] most
+    likely tokens (0: all) and, within those, outside the smallest set whose probability reaches
+    top_p[b]. [B, V] float32; the per-row arguments are [B]."""
+    logits = logits_BV / jnp.maximum(temperature_B, 1e-6)[:, None]
+    srt = jnp.sort(logits, axis=-1)[:, ::-1]
+    kth = jnp.where(top_k_B > 0, jnp.take_along_axis(srt, jnp.clip(top_k_B - 1, 0, srt.shape[-1] - 1)[:, None],
+                                                      axis=-1)[:, 0], -jnp.inf)
+    probs = jax.nn.softmax(jnp.where(srt >= kth[:, None], srt, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    keep = (before < top_p_B[:, None]) & (srt >= kth[:, None])
+    cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
+    return jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
 
 
 def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:

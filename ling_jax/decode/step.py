@@ -175,20 +175,35 @@ def prefill(cfg: LingConfig, kernels: Kernels, params: Params, ids_BT: jax.Array
     conv window of the last real token; MLA layers write their latent rows into slots [0, T).
     `kernels`: `kernels.select(cfg, dtype=..., inference=True)`.
     """
+    caches, x = prefill_stack(cfg, kernels, params, ids_BT, lengths_B, max_len)
+    last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    h = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
+    return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
+
+
+def prefill_stack(cfg: LingConfig, kernels: Kernels, params: Params, ids_BT: jax.Array, lengths_B: jax.Array,
+                  max_len: int) -> tuple[list[Any], jax.Array]:
+    """`prefill`'s layer stack: (the segments' caches for `max_len` tokens, the last layer's output
+    [B, T, D] before the final norm)."""
     b, t = ids_BT.shape
-    slots = cache_length(max_len)
     valid = jnp.arange(t)[None, :] < lengths_B[:, None]
-    ctx = make_context(cfg, ids_BT, attention_mask=valid)
-    mix = sequence_mixer(cfg, kernels, ctx)
+    mix = sequence_mixer(cfg, kernels, make_context(cfg, ids_BT, attention_mask=valid))
 
     def layer(p, x, lim, _, mixer, ffn):
         x, c, _ = decoder_layer(p, x, lim, cfg=cfg, kernels=kernels, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, None))
         if mixer == "mla":
-            n = min(t, slots)  # the prompt bucket may outgrow the cache; rows past every length are padding
-            c = {"latent": jnp.zeros((b, slots, c["latent"].shape[-1]), x.dtype).at[:, :n].set(c["latent"][:, :n])}
+            c = {"latent": latent_slots(c["latent"], max_len)}
         return x, c
 
     x, caches = run_stack(cfg, params, embed(params, ids_BT), layer)
-    last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    h = rms_norm(last, params["final_norm"], cfg.rms_norm_eps)
-    return place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)}), lm_head(cfg, params, h)
+    return caches, x
+
+
+def latent_slots(rows_BTW: jax.Array, max_len: int) -> jax.Array:
+    """Latent rows [B, T, W] of positions [0, T) in a cache of `cache_length(max_len)` slots (zeros
+    after them): [B, S, W]. The prompt bucket may outgrow the cache; rows past every length are
+    padding and are dropped."""
+    b, t, w = rows_BTW.shape
+    slots = cache_length(max_len)
+    n = min(t, slots)
+    return jnp.zeros((b, slots, w), rows_BTW.dtype).at[:, :n].set(rows_BTW[:, :n])

@@ -1,0 +1,244 @@
+"""The model side of speculative decoding: the MTP layer's cached forms, the main model's verify step
+over k + 1 positions per row, and the commit of each row's accepted positions.
+
+Caches. The main cache is `ling_jax.cache`'s (contiguous latent rows). The MTP layer (layer 0 of
+`params["mtp"]`, ARCHITECTURE.md §2.8: always MLA + the FFN of index L) keeps its own latent cache
+[B, S, r + d_r]: row t holds MTP position t, whose inputs are the token at t + 1 and the main
+model's final-normed hidden state at t; it predicts the token at t + 2.
+
+Verify. `verify_step` runs T tokens per row at positions lengths[b] + i through every main layer
+in one call (every weight read once, as by a one-token step): MLA layers attend over the cached
+rows j < lengths[b] and the T new rows causally (the absorbed form, `layers.mla.mla_mixer` with
+`past_BSW`); KDA layers run their short conv from the cached window and the token recurrence from
+the cached state. It changes no cache: it returns what `commit` needs to advance each row by its
+own count of accepted positions a[b] in [0, T], after which the cache is exactly the one of a[b]
+one-token steps (to float32 rounding): lengths + a, the KDA state after a tokens, the conv window
+ending at the a-th token; the T new latent rows are written at lengths..lengths + T - 1, and the
+rows past lengths + a (rejected positions) are hidden by `lengths` until overwritten.
+
+Kernels. The verify step and the MTP layer run the layers' sequence forms (a record of
+`kernels.select(..., inference=True)`): matmuls over the B x T rows, the absorbed attention in XLA
+over the whole latent allocation (masked past each row's length), the KDA token scan; the decode
+step's one-token kernels and stack views do not apply.
+
+The KDA state after a row's accepted tokens: the verify keeps each KDA layer's recurrence inputs
+(L2-normed k, v, log-decay g, beta of the T tokens) and `commit` re-runs the token recurrence from the
+cached state with g = 0 and beta = 0 past each row's count — identity steps, so the state is bit for
+bit the one after the accepted tokens — for all layers of a segment at once. The alternative, the
+verify's recurrence returning the state after every position for `commit` to pick from, holds T + 1
+states ([T + 1, H, K, V] per row and layer instead of [T, H, 2K + V + 1]) and on a CPU was the slower
+of the two at every batch size above 1 and no faster at 1 (writing T + 1 states costs about what the
+second recurrence does); on a GPU the held states would be T + 1 times the KDA state memory at large
+batches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import Cache, place
+from ling_jax.checkpoint.fp8 import dense_weights
+from ling_jax.config import LingConfig
+from ling_jax.decode.step import latent_slots, prefill_stack
+from ling_jax.kernels import Kernels
+from ling_jax.layers.mla import mla_mixer
+from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.model import decoder_layer, embed, limits, lm_head, make_context, run_stack, sequence_mixer
+from ling_jax.ops.kda import kimi_delta_attention
+from ling_jax.ops.kda.gate import kda_gate, l2_normalize
+from ling_jax.ops.norms import gated_rms_norm, rms_norm
+from ling_jax.ops.short_conv import conv_silu
+from ling_jax.params import Params
+from ling_jax.sharding import constrain
+
+Mix = Any  # (attn params, normed x [B, T, D]) -> (out [B, T, D], latent rows [B, T, W] or {"latent": ...})
+
+
+def has_mtp(cfg: LingConfig, params: Params) -> bool:
+    """Whether the config and params hold an MTP layer to draft with."""
+    return cfg.num_nextn_predict_layers > 0 and bool(params.get("mtp"))
+
+
+# ----------------------------------------------------------------------------- attention over the cache
+
+
+def positions(start_B: jax.Array, t: int) -> jax.Array:
+    """Positions start[b] + i of T new tokens per row: [B, T] int32."""
+    return start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def attend_cached(p: Params, x_BTD: jax.Array, latent_BSW: jax.Array, start_B: jax.Array, *, cfg: LingConfig,
+                  kernels: Kernels) -> tuple[jax.Array, jax.Array]:
+    """An MLA mixer on T new tokens per row at positions start[b] + i over the cached rows j < start[b]
+    and the new rows causally (absorbed form): (out [B, T, D], the new latent rows [B, T, r + d_r]).
+
+    Reads every one of the cache's S rows (masked past start[b]): its cost follows the allocation."""
+    b, t, _ = x_BTD.shape
+    s = latent_BSW.shape[1]
+    cos, sin = rope_cos_sin(positions(start_B, t), cfg.qk_rope_head_dim, cfg.rope_theta)
+    past_BTS = jnp.broadcast_to(jnp.arange(s)[None, None, :] < start_B[:, None, None], (b, t, s))
+    new_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    out, c = mla_mixer(p, x_BTD, cfg=cfg, kernels=kernels, cos=cos, sin=sin,
+                       mask_BTS=jnp.concatenate([past_BTS, new_BTT], axis=-1), absorbed=True, past_BSW=latent_BSW)
+    return out, c["latent"]
+
+
+def write_rows(latent_BSW: jax.Array, rows_BTW: jax.Array, start_B: jax.Array) -> jax.Array:
+    """The cache [..., B, S, W] with rows [..., B, T, W] written at start[b] + i (rows past S dropped)."""
+    b, t = rows_BTW.shape[-3:-1]
+    lead = latent_BSW.shape[:-3]
+    flat = latent_BSW.reshape(-1, *latent_BSW.shape[-3:])
+    new = flat.at[:, jnp.arange(b)[:, None], positions(start_B, t)].set(
+        rows_BTW.reshape(-1, *rows_BTW.shape[-3:]).astype(flat.dtype), mode="drop")
+    return new.reshape(*lead, *new.shape[1:])
+
+
+# ----------------------------------------------------------------------------- the MTP layer
+
+
+def mtp_layer(cfg: LingConfig, kernels: Kernels, params: Params, ids_BT: jax.Array, h_BTD: jax.Array,
+              mix: Mix) -> tuple[jax.Array, Any]:
+    """MTP layer 0 (§2.8) on T positions: embedding of `ids` (the tokens one ahead) and the previous
+    stage's hidden `h` -> (its final-normed hidden [B, T, D], what `mix` returned besides its output)."""
+    i = cfg.num_hidden_layers
+    eps = cfg.rms_norm_eps
+    p = dense_weights(params["mtp"][0], h_BTD.dtype)
+    e = rms_norm(embed(params, ids_BT), p["enorm"], eps)
+    z = jnp.concatenate([e, rms_norm(h_BTD, p["hnorm"], eps)], axis=-1)
+    z, mixed, _ = decoder_layer(p, z @ p["eh_proj"].astype(z.dtype), limits(cfg, np.array(i)), cfg=cfg,
+                                kernels=kernels, ffn=cfg.ffn_of(i), mix=mix)
+    return rms_norm(z, p["final_norm"], eps), mixed
+
+
+def mtp_step(cfg: LingConfig, kernels: Kernels, params: Params, latent_BSW: jax.Array, ids_BT: jax.Array,
+             h_BTD: jax.Array, start_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MTP layer on T positions per row at start[b] + i against its latent cache (rows < start[b]):
+    (final-normed hidden [B, T, D], the cache with the T new rows written at start[b] + i).
+
+    Drafting runs it on the positions whose main hidden states the last verify produced (the tokens
+    accepted there: their rows replace the draft rows written before) and then one position per
+    draft, on its own previous output."""
+    mix = lambda pa, x: attend_cached(pa, x, latent_BSW, start_B, cfg=cfg, kernels=kernels)  # noqa: E731
+    g_BTD, rows = mtp_layer(cfg, kernels, params, ids_BT, h_BTD, mix)
+    return g_BTD, constrain(write_rows(latent_BSW, rows, start_B), "mla_latent")
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def prefill_speculative(cfg: LingConfig, kernels: Kernels, params: Params, ids_BT: jax.Array, lengths_B: jax.Array,
+                        max_len: int) -> tuple[Cache, jax.Array, jax.Array, jax.Array]:
+    """`ling_jax.decode.prefill` plus what drafting starts from: (main cache, last logits [B, V], the
+    final-normed hidden state of each row's last token [B, D], the MTP latent cache [B, S, W]).
+
+    The MTP layer runs its sequence form over the prompt with the ids shifted left by one (as
+    `model.mtp_hidden`), which fills its rows of positions < lengths[b] - 1; the row at
+    lengths[b] - 1 (whose next token is not known yet) is written by the first draft."""
+    t = ids_BT.shape[1]
+    caches, x = prefill_stack(cfg, kernels, params, ids_BT, lengths_B, max_len)
+    h_BTD = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    valid = jnp.arange(t)[None, :] < lengths_B[:, None]
+    mix = sequence_mixer(cfg, kernels, make_context(cfg, ids_BT, attention_mask=valid))
+    shifted = jnp.concatenate([ids_BT[:, 1:], jnp.zeros_like(ids_BT[:, :1])], axis=1)
+    _, rows = mtp_layer(cfg, kernels, params, shifted, h_BTD, lambda pa, h: mix(pa, h, "mla", None))
+    h_last = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    cache = place({"segments": caches, "lengths": lengths_B.astype(jnp.int32)})
+    return (cache, lm_head(cfg, params, h_last), h_last,
+            constrain(latent_slots(rows["latent"], max_len), "mla_latent"))
+
+
+# ----------------------------------------------------------------------------- verify and commit
+
+
+def _project(x: jax.Array, p: Params, name: str) -> jax.Array:
+    """x times `{name}_proj`, or its low-rank pair `{name}_a_proj`, `{name}_b_proj`."""
+    if f"{name}_proj" in p:
+        return x @ p[f"{name}_proj"].astype(x.dtype)
+    return (x @ p[f"{name}_a_proj"].astype(x.dtype)) @ p[f"{name}_b_proj"].astype(x.dtype)
+
+
+def kda_verify(p: Params, x_BTD: jax.Array, cache: dict[str, jax.Array], *,
+               cfg: LingConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A KDA mixer on T tokens per row continuing the cached state and conv window, §2.4: (out
+    [B, T, D], what `commit` advances the state and window with: the recurrence inputs "k" (L2-normed)
+    [B, T, H, K], "v" [B, T, H, V], "g" (log decay) [B, T, H, K] f32, "beta" [B, T, H] f32, and the conv
+    inputs "inputs" [B, T, 3P]). The recurrence is the token scan (`ops.kda.reference`)."""
+    b, t, _ = x_BTD.shape
+    h, dh = cfg.num_attention_heads, cfg.head_dim
+    dt = x_BTD.dtype
+    qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
+    w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
+    q, k, v = (a.reshape(b, t, h, dh) for a in jnp.split(conv_silu(qkv_BT3P, w_3PW, None, cache["conv"]), 3, axis=-1))
+    q, k = l2_normalize(q), l2_normalize(k)
+    g_BTHK = kda_gate(_project(x_BTD, p, "f").reshape(b, t, h, dh), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
+    o_BTHV, _ = kimi_delta_attention(q, k, v, g_BTHK, beta_BTH, scale=dh**-0.5, initial_state=cache["state"],
+                                     impl="reference")
+    o_BTHV = gated_rms_norm(o_BTHV, _project(x_BTD, p, "g").reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
+    out = o_BTHV.reshape(b, t, h * dh) @ p["o_proj"].astype(dt)
+    return out, {"k": k, "v": v, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P}
+
+
+def _advance_kda(c: dict[str, jax.Array], y: dict[str, jax.Array], advance_B: jax.Array) -> dict[str, jax.Array]:
+    """A KDA stack's cache ({"state" [*lead, B, H, K, V], "conv" [*lead, B, W-1, 3P]}) after each row's
+    first advance[b] of the T verified tokens (`kda_verify`'s record `y`, stacked alike)."""
+    state = c["state"]
+    lead, b = state.shape[:-4], state.shape[-4]
+    t = y["k"].shape[-3]
+    keep = jnp.arange(t)[None, :] < advance_B[:, None]  # [B, T]
+    flat = lambda a: a.reshape(-1, *a.shape[len(lead) + 1:])  # noqa: E731  [*lead, B, ...] -> [n * B, ...]
+    keep_NT = jnp.broadcast_to(keep, (*lead, b, t)).reshape(-1, t)
+    k = flat(y["k"])
+    _, new = kimi_delta_attention(k, k, flat(y["v"]), jnp.where(keep_NT[..., None, None], flat(y["g"]), 0.0),
+                                  jnp.where(keep_NT[..., None], flat(y["beta"]), 0.0), scale=1.0,
+                                  initial_state=flat(state), impl="reference")
+    ext = jnp.concatenate([c["conv"], y["inputs"].astype(c["conv"].dtype)], axis=-2)  # [*lead, B, W-1+T, 3P]
+    width = c["conv"].shape[-2]
+    idx = advance_B[:, None] + jnp.arange(width)[None, :]  # the W-1 inputs before token advance[b]
+    window = jnp.take_along_axis(ext, jnp.broadcast_to(idx[..., None], (*ext.shape[:-2], width, 1)), axis=-2)
+    return {"state": new.reshape(state.shape), "conv": window}
+
+
+def verify_step(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache, tokens_BT: jax.Array,
+                unroll: bool = True) -> tuple[jax.Array, jax.Array, list[Any]]:
+    """T tokens per row at positions lengths[b] + i through the main model from the cache, in one call
+    (module doc): (logits [B, T, V] float32, final-normed hidden states [B, T, D], what `commit`
+    takes). The cache is not changed. `kernels`: a record for sequence forms
+    (`kernels.select(cfg, dtype=..., inference=True)`); `unroll`: the layers as one straight-line
+    program instead of scans."""
+    lengths = cache["lengths"]
+
+    def mix(p, h, mixer, c):
+        if mixer == "kda":
+            return kda_verify(p, h, c, cfg=cfg)
+        return attend_cached(p, h, c["latent"], lengths, cfg=cfg, kernels=kernels)
+
+    def layer(p, x, lim, c, mixer, ffn):
+        x, new, _ = decoder_layer(p, x, lim, cfg=cfg, kernels=kernels, ffn=ffn, mix=lambda pa, h: mix(pa, h, mixer, c))
+        return x, new
+
+    x, new = run_stack(cfg, params, embed(params, tokens_BT), layer, caches=cache["segments"], unroll=unroll)
+    h_BTD = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return lm_head(cfg, params, h_BTD), h_BTD, new
+
+
+def commit(cache: Cache, new: list[Any], advance_B: jax.Array) -> Cache:
+    """The cache after each row's first advance[b] (in [0, T]) of the verified positions: lengths +
+    advance, each KDA layer's state after that many tokens and the conv window ending there, every
+    MLA layer's T new rows written at lengths[b] + i (those past the new length are hidden by it)."""
+    lengths = cache["lengths"]
+
+    def merge(c: dict, y: Any) -> dict:
+        if "latent" in c:
+            return {"latent": write_rows(c["latent"], y, lengths)}
+        return _advance_kda(c, y, advance_B)
+
+    segs = [merge(c, y) if "kda" not in c else {k: merge(c[k], y[k]) for k in c}
+            for c, y in zip(cache["segments"], new, strict=True)]
+    return place({"segments": segs, "lengths": lengths + advance_B})
