@@ -238,3 +238,36 @@ def test_stop_cancel_and_limits(model):
     with pytest.raises(RuntimeError, match="shutting down"):
         engine.submit(prompt, SamplingParams())
     assert engine.stats()["pages_used"] == 0
+
+
+def test_next_call_dispatched_before_reading_the_last(model):
+    """While requests decode, each decode call is dispatched before the host reads the previous call's
+    tokens (the device runs call n + 1 while the host delivers call n's), and the tokens are still
+    `generate`'s."""
+    cfg, params = model
+    events = []
+
+    class Recorded(Engine):
+        def _decode(self, *args):
+            cache, out = super()._decode(*args)
+            events.append(("dispatch", id(out)))
+            return cache, out
+
+        def _deliver(self, out, *args):
+            events.append(("read", id(out)))
+            super()._deliver(out, *args)
+
+    rng = np.random.default_rng(8)
+    prompts = _prompts(rng, cfg, 3, 5, 30)
+    engine = _serve(Recorded(cfg, params, max_batch=4, max_len=64, page_size=16, prefill_chunk=16, decode_steps=2))
+    try:
+        got = [h.result() for h in [engine.submit(p, SamplingParams(max_tokens=9, ignore_eos=True)) for p in prompts]]
+    finally:
+        engine.shutdown(5)
+    assert got == _reference(cfg, params, prompts, [9] * 3)
+    order = [e for e, _ in events]
+    reads = [i for i, (e, _) in enumerate(events) if e == "read"]
+    dispatches = {o: i for i, (e, o) in enumerate(events) if e == "dispatch"}
+    assert len(reads) == order.count("dispatch") >= 4
+    for i in reads[:-1]:  # every read but the last comes after the next call was dispatched
+        assert events[i - 1][0] == "dispatch" and dispatches[events[i][1]] < i - 1

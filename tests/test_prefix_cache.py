@@ -74,7 +74,7 @@ def test_logprobs_equal_the_cache_off(model):
     cfg, params = model
     rng = np.random.default_rng(4)
     base = rng.integers(0, cfg.vocab_size, 37).tolist()
-    prompts = [base, base[:30] + [5, 6], base + [7], base[:17] + [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    prompts = [base, [*base[:30], 5, 6], [*base, 7], [*base[:17], 1, 2, 3, 4, 5, 6, 7, 8, 9]]
     sampling = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
     outs = {}
     for on in (False, True):

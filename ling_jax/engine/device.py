@@ -6,7 +6,8 @@ The cache is `cache.paged_cache_shapes(cfg, max_batch, num_pages, page_size)`: p
 states and conv windows, per MLA layer one pool of pages. Page tables live on the host and come with
 each call: [N] for the slot a chunk fills, [B, N] for a decode step; position t of a row is
 page table[t // K], row t % K. Page 0 is never handed out: a free slot's table points there, and
-its decode writes land there harmlessly.
+its decode writes land there harmlessly. The engine's cache adds "tokens" [B] int32: each row's last
+token sampled by a decode call, the next call's input (`decode_steps`).
 
 A prompt's chunks carry its KDA state and windows from chunk to chunk in a one-row staging cache
 (`paged_cache_shapes(cfg, 1, 1, page_size)`), not in its slot: decode steps run every slot, and would
@@ -130,7 +131,7 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
     if prompt_logprobs:
         lp_C, ids_Cn, lps_Cn = logprobs(lm_head(cfg, params, h_CD), targets_C, TOP_LOGPROBS)
         out.update(prompt_logprob=lp_C, prompt_top_ids=ids_Cn, prompt_top_logprobs=lps_Cn)
-    return place({"segments": segs, "lengths": lengths}), {**staging, "segments": staged}, out
+    return {**cache, **place({"segments": segs, "lengths": lengths})}, {**staging, "segments": staged}, out
 
 
 def cache_page_size(cache: Cache) -> int:
@@ -141,14 +142,20 @@ def cache_page_size(cache: Cache) -> int:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: bool, params: Params, cache: Cache,
-                 page_table_BN: jax.Array, tokens_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
-                 temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> tuple[Cache, dict[str, Any]]:
-    """`steps` decode steps of every slot: row b consumes tokens_B[b] at position lengths[b] and samples
-    its next token with key data keys_B[b] at token index index_B[b] + i (its own temperature, top-k,
-    top-p), step after step. page_table_BN must name pages for every position a row reaches
-    (lengths[b] + steps - 1). Returns (cache, {"tokens": [steps, B]} and with `with_logprobs` the
+                 page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array, keys_B: jax.Array,
+                 index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+                 top_p_B: jax.Array) -> tuple[Cache, dict[str, Any]]:
+    """`steps` decode steps of every slot: row b consumes its input token at position lengths[b] and
+    samples its next token with key data keys_B[b] at token index index_B[b] + i (its own temperature,
+    top-k, top-p), step after step. The input token is the last one the previous decode call sampled
+    for the row (cache["tokens"][b]) where follow_B[b], else tokens_B[b] (a row's first token, from its
+    prefill): so a call can be dispatched before the host has read the previous one's tokens.
+    page_table_BN must name pages for every position a row reaches (lengths[b] + steps - 1). Returns
+    (cache with "tokens" the last step's samples, {"tokens": [steps, B]} and with `with_logprobs` the
     sampled tokens' log-probabilities [steps, B] and top tokens [steps, B, n]). `params`: with the fused
     decode weights (`decode.fuse_for_decode`)."""
+    tokens_B = jnp.where(follow_B, cache["tokens"], tokens_B)
+    cache = {"segments": cache["segments"], "lengths": cache["lengths"]}
     keys = jax.random.wrap_key_data(keys_B)
     b = tokens_B.shape[0]
     n = TOP_LOGPROBS
@@ -168,8 +175,8 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     if with_logprobs:
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
-    cache, _, out = jax.lax.fori_loop(0, steps, body, (cache, tokens_B, out))
-    return cache, out
+    cache, last, out = jax.lax.fori_loop(0, steps, body, (cache, tokens_B, out))
+    return {**cache, "tokens": last}, out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

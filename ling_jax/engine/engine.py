@@ -4,8 +4,12 @@ A fixed number of slots (`max_batch`) share one compiled decode step. Requests w
 are admitted into free slots between steps; a slot's prompt is prefilled in chunks (at most
 `prefill_chunk` tokens per chunk and `token_budget` prompt tokens per loop iteration, so a long
 prompt never stalls the running requests for its whole prefill); then the slot decodes with the
-others, several steps per host round trip while no request waits to start. A request leaves as soon
-as it finishes (a stop token, `max_tokens`, cancellation) and its slot and pages go to the next.
+others, several steps per host round trip while no request waits to start. Decode calls are
+pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the device)
+before the host reads the previous call's tokens, so delivering tokens, admitting and building page
+tables overlap the device's work; a request that ends within a call wastes at most the call after it.
+A request leaves as soon as it finishes (a stop token, `max_tokens`, cancellation) and its slot and
+pages go to the next.
 
 Memory: the MLA latents live in a pool of pages of `page_size` tokens; a request holds the pages its
 tokens fill (ceil(tokens / page_size)), taken as it grows. Admission reserves the pages a request
@@ -63,6 +67,7 @@ class _Slot:
     prefilled: int = 0  # prompt tokens in the cache
     length: int = 0  # tokens in the cache
     emitted: int = 0  # new tokens delivered
+    dispatched: int = 0  # new tokens delivered or being computed by the decode call in flight
     last: int = 0  # the last new token (the next decode step's input)
     order: int = 0  # admission order
     restore: int | None = None  # the prefix cache's snapshot row to start the prompt's prefill from
@@ -142,8 +147,9 @@ class Engine:
             shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
             staging = paged_cache_shapes(config, 1, 1, page_size, dtype)
             # committed to their devices, as every call's outputs are (else the first call compiles twice)
-            self.cache, self.staging = (_committed(jax.jit(lambda t=t: place(jax.tree.map(
-                lambda s: jnp.zeros(s.shape, s.dtype), t)))()) for t in (shapes, staging))
+            self.cache, self.staging = (_committed(jax.jit(lambda t=t, extra=extra: {**place(jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype), t)), **extra})()) for t, extra in (
+                (shapes, {"tokens": jnp.zeros(max_batch, jnp.int32)}), (staging, {})))
         self.cache_bytes = nbytes(shapes)
         self.snapshot_pages = snapshot_pages
         self.prefix: PrefixIndex | None = None
@@ -170,6 +176,7 @@ class Engine:
         self._admitting = True
         self._drain_deadline: float | None = None
         self._admitted = 0
+        self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool] | None = None  # the decode call running
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "prefill_chunks_total": 0, "decode_calls_total": 0}
 
@@ -260,7 +267,8 @@ class Engine:
                         np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
             for steps in sorted({1, self.decode_steps}):
                 for lp in (False, True):
-                    self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32))
+                    self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32),
+                                                   np.zeros(self.max_batch, bool))
             if self.prefix is not None:  # a round trip: the store is left as it was
                 self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0))
                 self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
@@ -440,6 +448,7 @@ class Engine:
         if s.handle.sampling.max_tokens == 0:  # scoring only
             self._release(i, "length")
             return
+        s.dispatched += 1
         self._emit(i, s, int(out["token"]), float(out["logprob"]), out["top_ids"], out["top_logprobs"])
 
     def _emit(self, i: int, s: _Slot, token: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray) -> bool:
@@ -457,40 +466,56 @@ class Engine:
         return self.slots[i] is s
 
     def _decode_round(self) -> None:
-        """Decode steps for every slot past its prompt: several per call while no request waits to start."""
-        active = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.decoding]
-        if not active:
-            return
-        busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
-        room = min(s.handle.sampling.max_tokens - s.emitted for _, s in active)
-        steps = 1 if busy or room < self.decode_steps else self.decode_steps
-        table = np.zeros((self.max_batch, self.max_pages), np.int32)
-        for i, s in active:
-            self._pages_for(s, s.length + steps)
-            table[i] = self._table(s)
-        want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
-        self.cache, out = self._decode(steps, want_lp, table)
+        """Dispatches the next decode call for every slot past its prompt (several steps per call while
+        no request waits to start), then reads the previous call's tokens while the device runs it: the
+        new call takes its inputs from the previous one's outputs on the device, so the host's work
+        (delivering tokens, admitting, building page tables) overlaps the device's."""
+        prev, self._flight = self._flight, None
+        active = [(i, s) for i, s in enumerate(self.slots)
+                  if s is not None and s.decoding and s.dispatched < s.handle.sampling.max_tokens]
+        if active:
+            busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
+            room = min(s.handle.sampling.max_tokens - s.dispatched for _, s in active)
+            steps = 1 if busy or room < self.decode_steps else self.decode_steps
+            table = np.zeros((self.max_batch, self.max_pages), np.int32)
+            for i, s in active:
+                self._pages_for(s, s.length + steps)
+                table[i] = self._table(s)
+            follow = np.zeros(self.max_batch, bool)  # rows continuing from the call in flight
+            for i, s in prev[1] if prev else ():
+                follow[i] = self.slots[i] is s
+            want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
+            self.cache, out = self._decode(steps, want_lp, table, follow)
+            for _, s in active:
+                s.length += steps
+                s.dispatched += steps
+            self._flight = (out, active, steps, want_lp)
+            self.counters["decode_calls_total"] += 1
+        if prev:
+            self._deliver(*prev)
+
+    def _deliver(self, out: Any, rows: list[tuple[int, _Slot]], steps: int, want_lp: bool) -> None:
+        """Delivers a decode call's tokens to the requests still in their slots; stops at each one's end."""
         out = jax.device_get(out)
-        self.counters["decode_calls_total"] += 1
-        for i, s in active:
-            s.length += steps
+        for i, s in rows:
             for t in range(steps):
+                if self.slots[i] is not s:  # finished or cancelled: the rest of its tokens are dropped
+                    break
                 lp = (float(out["logprob"][t, i]), out["top_ids"][t, i], out["top_logprobs"][t, i]) if want_lp \
                     else (0.0, None, None)
-                if not self._emit(i, s, int(out["tokens"][t, i]), *lp):
-                    break
+                self._emit(i, s, int(out["tokens"][t, i]), *lp)
 
-    def _decode(self, steps: int, want_lp: bool, table: np.ndarray) -> tuple[Any, Any]:
+    def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray) -> tuple[Any, Any]:
         tokens, keys = np.zeros(self.max_batch, np.int32), np.zeros((self.max_batch, 2), np.uint32)
         index, temp = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.float32)
         top_k, top_p = np.zeros(self.max_batch, np.int32), np.ones(self.max_batch, np.float32)
         for i, s in enumerate(self.slots):
             if s is not None and s.decoding:
                 sp = s.handle.sampling
-                tokens[i], keys[i], index[i] = s.last, s.key, s.emitted
+                tokens[i], keys[i], index[i] = s.last, s.key, s.dispatched
                 temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
         return device.decode_steps(self.config, self.k_decode, steps, want_lp, self.params, self.cache, table,
-                                   tokens, keys, index, temp, top_k, top_p)
+                                   tokens, follow, keys, index, temp, top_k, top_p)
 
     def _release(self, i: int, reason: str, error: str | None = None) -> None:
         """Ends slot i's request and gives back its pages and unused reservation."""

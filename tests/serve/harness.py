@@ -1,9 +1,8 @@
 """Helpers of the server tests: the engine under test, and servers started in-process (uvicorn in a
 thread on a free localhost port); the chat template of the test tokenizer (tests/serve/fixtures.py).
 
-`ENGINE` is the engine class every server test runs on: `ling_jax.engine.Engine` (the test double
-`FakeEngine` runs the same tests without a model). Tests that need a slow engine (disconnects, full
-queues) pace the real one: `Paced` sleeps before each decode round of one token."""
+Every server test runs on `ling_jax.engine.Engine`; those that need a slow engine (disconnects, full
+queues) pace it: `Paced` sleeps before each decode round of one token."""
 
 from __future__ import annotations
 
@@ -17,9 +16,6 @@ from ling_jax.config import LingConfig
 from ling_jax.engine import Engine
 from serve.app import create_app
 from serve.server import HTTPServer, bind
-from tests.serve.fake_engine import FakeEngine
-
-ENGINE = Engine
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<|system|>", "<|user|>", "<|assistant|>"]  # ids 0.. (eos 1: the config's)
 CHAT_TEMPLATE = (
@@ -42,17 +38,17 @@ class Paced(Engine):
 
 
 def engine_factory(token_delay: float = 0.0) -> Any:
-    """The class under test as `(config, params, **options) -> engine` (`token_delay`: a pause before
-    each token)."""
-    if ENGINE is FakeEngine:
-        return functools.partial(ENGINE, token_delay=token_delay)
-    return functools.partial(Paced, token_delay=token_delay) if token_delay else ENGINE
+    """`(config, params, **options) -> engine`: the engine, `Paced` given a `token_delay`."""
+    return functools.partial(Paced, token_delay=token_delay) if token_delay else Engine
 
 
-def make_engine(model: tuple[LingConfig, Any], *, token_delay: float = 0.0, **kw: Any) -> Any:
-    """A started engine of the class under test."""
+def make_engine(model: tuple[LingConfig, Any], *, token_delay: float = 0.0, warmup: bool = False,
+                **kw: Any) -> Any:
+    """A started engine (`warmup`: compiled first, so that timing tests measure serving, not compiling)."""
     cfg, params = model
     engine = engine_factory(token_delay)(cfg, params, **kw)
+    if warmup:
+        engine.warmup()
     engine.start()
     return engine
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from bench.serve import main, make_requests
-from tests.serve.harness import ENGINE, make_engine, serve
+from ling_jax.engine import Engine
+from tests.serve.harness import make_engine, serve
 
 pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
@@ -17,7 +18,7 @@ def test_in_process_engine_against_static(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "4",
                  "--concurrency", "2", "--prompt-len", "4:12", "--output-len", "2:6", "--static", "--scan-layers",
-                 "--out", str(out)], engine_cls=ENGINE) == 0
+                 "--out", str(out)], engine_cls=Engine) == 0
     r = json.loads(out.read_text())
     want = sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0))
     assert r["engine"]["output_tokens"] == r["static"]["output_tokens"] == want

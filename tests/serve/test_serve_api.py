@@ -1,4 +1,4 @@
-"""ling-serve's HTTP API against the engine under test (tests/serve/harness.py: ENGINE), driven by the `openai`
+"""ling-serve's HTTP API against the engine, driven by the `openai`
 client and raw HTTP: completions, chat, streaming, logprobs / echo (lm-evaluation-harness's
 scoring request), return_token_ids, stop strings, errors, the API key, disconnects, draining,
 metrics."""
@@ -392,8 +392,9 @@ def test_models_health_metrics_cached_tokens(server):
 # --- disconnects, a full queue, draining ----------------------------------------------------------
 @pytest.fixture
 def slow(model, codec):
-    """A server whose engine takes 0.3 s per token (the double; a real engine: as it runs), 1 slot."""
-    engine = make_engine(model, token_delay=0.3, max_batch=1, max_len=256, max_waiting=1)
+    """A server whose engine takes 0.3 s per token (compiled before serving), 1 slot."""
+    engine = make_engine(model, token_delay=0.3, max_batch=1, max_len=256, max_waiting=1, prefill_chunk=16,
+                         warmup=True)
     cancelled = []
     cancel = engine.cancel
 

@@ -49,6 +49,8 @@ def test_help_does_not_import_jax():
     (["--port", "70000"], "--port 70000: must be <= 65535"),
     (["--max-batch", "0"], "--max-batch 0: must be >= 1"),
     (["--max-len", "1"], "--max-len 1: must be >= 2"),
+    (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1"),
+    (["--decode-steps", "0"], "--decode-steps 0: must be >= 1"),
     (["--prefix-cache-gb", "0"], "--prefix-cache-gb 0.0: must be > 0"),
     (["--shutdown-grace", "nan"], "--shutdown-grace nan"),
     (["--api-key", " "], "--api-key is empty"),
@@ -93,12 +95,13 @@ sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
 
 @pytest.mark.heavy  # a fresh process compiles the model: ~10 s on 2 cores
 def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir):
-    """The real command (the engine under test; the double: tokens 0.25 s apart) under SIGTERM mid-stream."""
+    """The real command (the engine paced to tokens 0.25 s apart, compiled before it listens) under SIGTERM
+    mid-stream."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "LING_API_KEY": "k"}
     cmd = [sys.executable, "-c", SERVE_UNDER_TEST, "--checkpoint", str(checkpoint), "--tokenizer",
            str(tokenizer_dir / "tokenizer.json"), "--port", "0", "--dtype", "float32", "--served-model-name", "tiny",
-           "--shutdown-grace", "30"]
+           "--shutdown-grace", "30", "--prefill-chunk", "16", "--max-len", "256"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -128,6 +131,7 @@ def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir):
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert len([i for e in events for i in e["choices"][0]["token_ids"]]) == 8
         assert [x for x in proc.stdout.read().splitlines() if x.startswith("ling-serve: ")] == ["ling-serve: stopped"]
+        assert "ling-serve: compiled in" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
