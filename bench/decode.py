@@ -25,7 +25,7 @@ linear weights block-FP8 on the device (`BlockFP8` leaves, as `load_checkpoint(k
 returns them; the floor then counts 1 byte per such weight); `--profile DIR` traces 3 calls of
 every configuration and prints where the device time goes (`bench/device_profile.py`).
 
-`--speculative-tokens K` times speculative decoding's parts instead, at each batch and context, in
+`--speculative-tokens K [K ...]` times speculative decoding's parts instead, at each batch and context, in
 the same process on the same random cache: the one-token step (`decode_step`, as the loop runs it),
 the verify step of K + 1 positions per row with the commit of all of them (`decode.verify`), and the
 K drafts of the MTP layer (`decode.speculative.mtp_drafts`); it reports verify / one-token step and
@@ -187,43 +187,50 @@ def _drafts(cfg: LingConfig, kernels: Kernels, params: Any, latent: jax.Array, t
 
 
 def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Namespace,
-                        name: str) -> dict[str, Any]:
-    """One configuration of `--speculative-tokens K` (module doc): ms per one-token step, per verify step of
-    K + 1 positions (committed), per K drafts, each the median of `args.reps` calls continuing the cache."""
-    k, reps, unroll = args.speculative_tokens, args.reps, not args.scan
+                        name: str) -> list[dict[str, Any]]:
+    """One configuration of `--speculative-tokens K ...` (module doc): ms per one-token step, and for each K
+    per verify step of K + 1 positions (committed) and per K drafts, each the median of `args.reps` calls
+    continuing the cache; one record per K."""
+    reps, unroll = args.reps, not args.scan
     dtype = jnp.bfloat16
-    slots = ctx + (reps + 1) * (k + 1) + k
+    k_max = max(args.speculative_tokens)
+    slots = ctx + (reps + 1) * (k_max + 1) + k_max
     decode_kernels = select(cfg, dtype=dtype, decode=True, unroll=unroll)
     seq_kernels = select(cfg, dtype=dtype, inference=True)
     rng = np.random.default_rng(b)
-    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, k + 1)), jnp.int32)
-    latent = (0.1 * jax.random.normal(jax.random.key(1), (b, cache_length(slots),
-                                                           cfg.kv_lora_rank + cfg.qk_rope_head_dim))).astype(dtype)
-    hidden = jax.random.normal(jax.random.key(2), (b, k + 1, cfg.hidden_size), dtype)
-    state = {"one": random_cache(cfg, b, slots, ctx, dtype), "verify": random_cache(cfg, b, slots, ctx, dtype),
-             "latent": latent}
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, k_max + 1)), jnp.int32)
     keys = jax.random.split(jax.random.key(0), b)
     fused = jax.jit(fuse_for_decode, static_argnums=(0, 1))(cfg, decode_kernels, params)  # what the loop steps on
+    state = {"one": random_cache(cfg, b, slots, ctx, dtype)}
 
     def one() -> jax.Array:
         state["one"], logits = _one_token(cfg, decode_kernels, fused, state["one"], toks[:, 0], unroll)
         return logits
 
-    def verify() -> jax.Array:
-        state["verify"], logits = _verify_all(cfg, seq_kernels, params, state["verify"], toks, unroll)
-        return logits
+    one_ms = 1e3 * median_time(one, reps=reps)
+    del state["one"]
+    runs = []
+    for k in args.speculative_tokens:
+        state["verify"] = random_cache(cfg, b, slots, ctx, dtype)
+        state["latent"] = (0.1 * jax.random.normal(jax.random.key(1), (b, cache_length(slots), cfg.kv_lora_rank
+                                                                       + cfg.qk_rope_head_dim))).astype(dtype)
+        hidden = jax.random.normal(jax.random.key(2), (b, k + 1, cfg.hidden_size), dtype)
 
-    def drafts() -> jax.Array:
-        out, state["latent"] = _drafts(cfg, seq_kernels, params, state["latent"], toks, hidden,
-                                       state["verify"]["lengths"], keys, jnp.ones((b,), jnp.int32), k)
-        return out
+        def verify(k: int = k) -> jax.Array:
+            state["verify"], logits = _verify_all(cfg, seq_kernels, params, state["verify"], toks[:, :k + 1], unroll)
+            return logits
 
-    times = {label: 1e3 * median_time(fn, reps=reps) for label, fn in
-             (("one_token", one), ("verify", verify), ("drafts", drafts))}
-    return {"variant": name, "batch": b, "context": ctx, "speculative_tokens": k,
-            "one_token_step_ms": times["one_token"], "verify_step_ms": times["verify"], "drafts_ms": times["drafts"],
-            "verify_over_one_token": times["verify"] / times["one_token"],
-            "breakeven_accepted_length": (times["verify"] + times["drafts"]) / times["one_token"]}
+        def drafts(k: int = k, hidden: jax.Array = hidden) -> jax.Array:
+            out, state["latent"] = _drafts(cfg, seq_kernels, params, state["latent"], toks[:, :k + 1], hidden,
+                                           state["verify"]["lengths"], keys, jnp.ones((b,), jnp.int32), k)
+            return out
+
+        verify_ms, drafts_ms = (1e3 * median_time(fn, reps=reps) for fn in (verify, drafts))
+        runs.append({"variant": name, "batch": b, "context": ctx, "speculative_tokens": k,
+                     "one_token_step_ms": one_ms, "verify_step_ms": verify_ms, "drafts_ms": drafts_ms,
+                     "verify_over_one_token": verify_ms / one_ms,
+                     "breakeven_accepted_length": (verify_ms + drafts_ms) / one_ms})
+    return runs
 
 
 def main() -> None:
@@ -243,8 +250,9 @@ def main() -> None:
                     help="with --profile: also keep the first N kernels of a traced call in launch order")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="also time every configuration with these tuned constants (module doc)")
-    ap.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                    help="time the one-token step, the verify step of K + 1 positions and K MTP drafts (module doc)")
+    ap.add_argument("--speculative-tokens", type=int, nargs="+", default=[], metavar="K",
+                    help="time the one-token step, and for each K the verify step of K + 1 positions and K MTP "
+                    "drafts (module doc)")
     ap.add_argument("--smoke", action="store_true", help="debug preset, tiny sizes (CPU check of the script)")
     args = ap.parse_args()
     variants = [("tuned", {})] + [parse_variant(v) for v in args.variant]
@@ -267,12 +275,14 @@ def main() -> None:
             for b in args.batches:
                 for ctx in args.contexts:
                     if args.speculative_tokens:
-                        result["runs"].append(run := measure_speculative(cfg, params, b, ctx, args, name))
-                        print(f"{name:>12s} B={b:4d} ctx={ctx:6d}: one-token step {run['one_token_step_ms']:8.3f} ms  "
-                              f"verify ({args.speculative_tokens + 1} positions) {run['verify_step_ms']:8.3f} ms "
-                              f"({run['verify_over_one_token']:.2f}x)  {args.speculative_tokens} drafts "
-                              f"{run['drafts_ms']:8.3f} ms  break-even accepted length "
-                              f"{run['breakeven_accepted_length']:.2f}", flush=True)
+                        for run in measure_speculative(cfg, params, b, ctx, args, name):
+                            result["runs"].append(run)
+                            k = run["speculative_tokens"]
+                            print(f"{name:>12s} B={b:4d} ctx={ctx:6d} K={k}: one-token step "
+                                  f"{run['one_token_step_ms']:8.3f} ms  verify ({k + 1} positions) "
+                                  f"{run['verify_step_ms']:8.3f} ms ({run['verify_over_one_token']:.2f}x)  {k} drafts "
+                                  f"{run['drafts_ms']:8.3f} ms  break-even accepted length "
+                                  f"{run['breakeven_accepted_length']:.2f}", flush=True)
                         write_json(args.out, result)
                         continue
                     result["runs"].append(run := measure(cfg, params, b, ctx, args, bw, name))
