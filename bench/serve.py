@@ -311,10 +311,11 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         t0 = time.perf_counter()
         engine = engine_cls(cfg, params, max_batch=max_batch, max_len=max_len, page_size=args.page_size,
                             speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache)
-        if hasattr(engine, "warmup"):  # compiles every serving shape, as ling-serve does before it listens
-            engine.warmup()
+        if hasattr(engine, "warmup"):  # compiles every serving shape these requests use (no log-probabilities)
+            engine.warmup(logprobs=False)
         engine.start()
         result["engine_start_s"] = time.perf_counter() - t0  # construction and compilation
+        print(f"engine: {max_batch} slots, max_len {max_len}, ready in {result['engine_start_s']:.1f} s", flush=True)
         try:
             results = asyncio.run(drive(requests, engine_runner(engine), concurrency=concurrency, rate=args.rate,
                                         seed=args.seed))
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         finally:
             engine.shutdown(0.0)
         del engine
+        write_json(args.out, result)
+        print(f"engine: {len(requests)} requests in {result['engine']['duration_s']:.1f} s", flush=True)
         if args.static:
             result["static"] = run_static(cfg, params, requests, concurrency or max_batch,
                                           unroll_layers=not args.scan_layers)

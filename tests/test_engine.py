@@ -147,12 +147,13 @@ def test_pages_follow_the_tokens_held(model):
     assert engine.stats()["pages_used"] == 0
 
 
-def test_no_compiles_after_warmup(model):
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_no_compiles_after_warmup(model, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
-    sampled, compile nothing."""
+    sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities."""
     cfg, params = model
     engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4)
-    engine.warmup()
+    engine.warmup(logprobs=logprobs)
     compiles = []
 
     def listener(event, duration, **_):
@@ -166,8 +167,10 @@ def test_no_compiles_after_warmup(model):
         hs = [engine.submit(p, SamplingParams(max_tokens=int(m), temperature=float(t), seed=1, ignore_eos=True,
                                               logprobs=lp, prompt_logprobs=plp))
               for p, m, t, lp, plp in zip(_prompts(rng, cfg, 8, 1, 80), rng.integers(1, 12, 8),
-                                          (0, 0.7, 0, 1.0, 0, 0.3, 0, 2.0), (None, 2, None, None, 5, None, 0, None),
-                                          (None, None, 1, None, None, 0, None, None), strict=True)]
+                                          (0, 0.7, 0, 1.0, 0, 0.3, 0, 2.0),
+                                          (None, 2, None, None, 5, None, 0, None) if logprobs else (None,) * 8,
+                                          (None, None, 1, None, None, 0, None, None) if logprobs else (None,) * 8,
+                                          strict=True)]
         for h in hs:
             h.result()
     finally:

@@ -254,19 +254,22 @@ class Engine:
             return
         thread.join()
 
-    def warmup(self) -> None:
-        """Compiles every shape serving uses (each prefill chunk bucket and decode call, with and without
-        log-probabilities) on a scratch slot; nothing compiles after it."""
+    def warmup(self, *, logprobs: bool = True) -> None:
+        """Compiles every shape serving uses (each prefill chunk bucket and decode call, with and, unless
+        `logprobs` is False, without log-probabilities) on a scratch slot; nothing compiles after it.
+        `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work; a
+        request that asks for them then compiles its shapes on first use."""
+        variants = (False, True) if logprobs else (False,)
         with self._mesh():
             table = np.zeros(self.max_pages, np.int32)
             for c in self.chunks:
-                for lp in (False, True):
+                for lp in variants:
                     self.cache, self.staging, out = device.prefill_chunk(
                         self.config, self.k_prefill, lp, self.params, self.cache, self.staging, table, np.int32(0),
                         np.zeros(c, np.int32), np.int32(0), np.int32(1), np.zeros(c, np.int32),
                         np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
             for steps in sorted({1, self.decode_steps}):
-                for lp in (False, True):
+                for lp in variants:
                     self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32),
                                                    np.zeros(self.max_batch, bool))
             if self.prefix is not None:  # a round trip: the store is left as it was
