@@ -252,8 +252,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     lengths[b] + k, and each row commits its accepted drafts and the main model's next token.
 
     Row b's last step accepted the m[b] tokens tokens_BT[b, :m[b]] (after its prefill: m = 1, its
-    first new token), of positions lengths[b] - m[b] .. lengths[b] - 1, whose main hidden states are
-    drafting["hidden"][b, :m[b]]; the last of them is the one not yet run. Its draws use key data
+    first new token), the tokens after positions lengths[b] - m[b] .. lengths[b] - 1, whose main
+    hidden states are drafting["hidden"][b, :m[b]]; the last of them is the one not yet run. Its draws use key data
     keys_B[b] at output index index_B[b] (its tokens so far) as `speculative_loop`'s do, with its own
     temperature, top-k and top-p. page_table_BN must name pages for positions up to lengths[b] + k
     (the verify's latent rows; the MTP rows of positions up to lengths[b] + k - 1 are kept one page
