@@ -291,8 +291,9 @@ class Engine:
         thread.join()
 
     def warmup(self, *, logprobs: bool = True) -> None:
-        """Compiles every shape serving uses (each prefill chunk bucket and decode call, with and, unless
-        `logprobs` is False, without log-probabilities) on a scratch slot; nothing compiles after it.
+        """Compiles every shape serving uses (each prefill chunk bucket and decode call, or with speculation
+        the speculative call, with and, unless `logprobs` is False, without log-probabilities) on a
+        scratch slot; nothing compiles after it.
         `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work; a
         request that asks for them then compiles its shapes on first use."""
         variants = (False, True) if logprobs else (False,)
