@@ -30,6 +30,9 @@ _STATS_HELP = {
     "prompt_tokens_total": "prompt tokens admitted",
     "generation_tokens_total": "new tokens generated",
     "requests_total": "requests the engine finished",
+    "spec_verify_calls": "speculative calls (MTP drafts verified by the main model)",
+    "spec_draft_tokens": "MTP drafts verified",
+    "spec_accepted_tokens": "MTP drafts accepted",
 }
 
 

@@ -1,6 +1,6 @@
 """The serving engine: every request's tokens equal `generate` of its prompt alone (float32), under
-concurrency, chunked prefill, page reuse and cancellation; memory follows the tokens held; serving
-compiles nothing after warm-up."""
+concurrency, chunked prefill, page reuse and cancellation, with and without MTP speculation; memory
+follows the tokens held; serving compiles nothing after warm-up."""
 
 from __future__ import annotations
 
@@ -38,9 +38,10 @@ def _prompts(rng, cfg, n, lo, hi):
     return [rng.integers(0, cfg.vocab_size, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def _concurrent(engine, prompts, max_tokens, concurrency, sampling=None):
+def _concurrent(engine, prompts, max_tokens, concurrency, sampling=None, ids=None, outputs=False):
     """Submits the requests from `concurrency` client threads, each waiting for its request before the
-    next: the tokens of each request, in order."""
+    next: the tokens of each request, in order (`ids`: their request ids; `outputs`: each token's
+    `TokenOutput` instead of its id)."""
     results = [None] * len(prompts)
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
@@ -52,7 +53,8 @@ def _concurrent(engine, prompts, max_tokens, concurrency, sampling=None):
             if i is None:
                 return
             sp = sampling(i) if sampling else SamplingParams(max_tokens=max_tokens[i], ignore_eos=True)
-            results[i] = engine.submit(prompts[i], sp).result()
+            h = engine.submit(prompts[i], sp, ids[i] if ids else None)
+            results[i] = list(h) if outputs else h.result()
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -148,11 +150,14 @@ def test_pages_follow_the_tokens_held(model):
 
 
 @pytest.mark.parametrize("logprobs", [True, False])
-def test_no_compiles_after_warmup(model, logprobs):
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "speculative"])
+def test_no_compiles_after_warmup(model, k, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
-    sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities."""
+    sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities (plain
+    decoding, and k drafts per speculative call)."""
     cfg, params = model
-    engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4)
+    engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4,
+                    speculative_tokens=k)
     engine.warmup(logprobs=logprobs)
     compiles = []
 
@@ -274,3 +279,145 @@ def test_next_call_dispatched_before_reading_the_last(model):
     assert len(reads) == order.count("dispatch") >= 4
     for i in reads[:-1]:  # every read but the last comes after the next call was dispatched
         assert events[i - 1][0] == "dispatch" and dispatches[events[i][1]] < i - 1
+
+
+# --- speculative decoding (speculative_tokens=k) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
+def test_speculative_tokens_equal_generate(model, k):
+    """With k MTP drafts per call, greedy requests from more clients than slots (mixed lengths, prompts
+    over several prefill chunks) give `generate`'s tokens: with the MTP layer's drafts (this random
+    model's are rejected), with drafts forced to each request's own tokens (all accepted: k + 1 tokens
+    a call, `max_tokens` or a stop token cutting a call's tokens short) and forced wrong at
+    request-dependent places (rows advance by different counts in one call), the log-probabilities of
+    the tokens the model's (`forward`'s: a latent row written to a wrong place changes them); the
+    statistics count the calls, drafts and accepted drafts."""
+    cfg, params = model
+    rng = np.random.default_rng(20 + k)
+    n = 10
+    prompts = _prompts(rng, cfg, n, 1, 90)
+    max_tokens = [int(m) for m in rng.integers(1, 16, n)]
+    want = _reference(cfg, params, prompts, max_tokens)
+    right = [np.asarray(r, np.int32) for r in _reference(cfg, params, prompts, [m + k + 1 for m in max_tokens])]
+    wrong = [r.copy() for r in right]
+    for i, r in enumerate(wrong):
+        j = np.nonzero((i + np.arange(len(r))) % 3 == 0)[0]
+        r[j] = (r[j] + 1) % cfg.vocab_size
+    engine = _serve(Engine(cfg, params, max_batch=4, max_len=128, page_size=16, prefill_chunk=32,
+                           speculative_tokens=k))
+    try:
+        rounds, logprobs = {}, {}
+        for name, forced in (("mtp", None), ("right", right), ("wrong", wrong)):
+            ids = [f"{name}-{i}" for i in range(n)]
+            engine.forced_drafts = dict(zip(ids, forced, strict=True)) if forced else {}
+            before = engine.stats()
+            got = _concurrent(engine, prompts, max_tokens, 6, ids=ids, outputs=True,
+                              sampling=lambda i: SamplingParams(max_tokens=max_tokens[i], ignore_eos=True, logprobs=0))
+            assert [[o.token_id for o in g] for g in got] == want, name
+            logprobs[name] = [[o.logprob for o in g] for g in got]
+            rounds[name] = {key: engine.stats()[key] - before[key] for key in before if key.startswith("spec_")}
+        stop = want[0][2]
+        engine.forced_drafts = {"stop": right[0]}
+        stopped = engine.submit(prompts[0], SamplingParams(max_tokens=12, stop_token_ids=(stop,)), "stop").result()
+        stats = engine.stats()
+    finally:
+        engine.shutdown(5)
+    assert stopped == want[0][:want[0].index(stop) + 1]
+    seqs = np.zeros((n, 128), np.int32)
+    for i, (p, w) in enumerate(zip(prompts, want, strict=True)):
+        seqs[i, :len(p) + len(w)] = p + w
+    lp = np.asarray(jax.nn.log_softmax(ling_jax.forward(cfg, params, jnp.asarray(seqs)), axis=-1))
+    for i, (p, w) in enumerate(zip(prompts, want, strict=True)):
+        ref = lp[i, np.arange(len(w)) + len(p) - 1, w]
+        for name in logprobs:
+            np.testing.assert_allclose(logprobs[name][i], ref, atol=1e-4, err_msg=f"{name} {i}")
+    assert rounds["right"]["spec_accepted_tokens"] == rounds["right"]["spec_draft_tokens"] > 0
+    assert 0 < rounds["wrong"]["spec_accepted_tokens"] < rounds["wrong"]["spec_draft_tokens"]
+    for r in rounds.values():  # k drafts for each of the 1 to 4 decoding rows of a call
+        assert r["spec_draft_tokens"] % k == 0 and k <= r["spec_draft_tokens"] / r["spec_verify_calls"] <= 4 * k
+    # every call verifies k drafts per decoding row, and a request of m tokens takes its first from the
+    # prefill and at least ceil((m - 1) / (k + 1)) calls after it
+    assert rounds["right"]["spec_draft_tokens"] >= k * sum(-(-(m - 1) // (k + 1)) for m in max_tokens)
+    assert stats["running"] == 0 and stats["pages_used"] == 0 and engine.pool.reserved == 0
+
+
+def test_speculative_seeded_sampling_and_logprobs(model):
+    """With speculation, seeded sampled requests beside greedy ones (in one call, with other seeds
+    and filters) draw `generate(..., speculative_tokens=2, seed=...)`'s tokens of their prompt alone;
+    the log-probabilities of the emitted tokens are the main model's (the plain engine's)."""
+    cfg, params = model
+    rng = np.random.default_rng(11)
+    prompts = _prompts(rng, cfg, 6, 2, 50)
+    seeds = [3, 4, 5, 6, 7, 8]
+    kw = dict(temperature=0.9, top_k=40, top_p=0.95)
+
+    def sampling(i):
+        if i % 3 == 2:  # greedy, with log-probabilities
+            return SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2)
+        return SamplingParams(max_tokens=9, ignore_eos=True, seed=seeds[i], logprobs=2 if i == 0 else None, **kw)
+
+    outs = {}
+    for k in (0, 2):
+        engine = _serve(Engine(cfg, params, max_batch=3, max_len=96, page_size=8, prefill_chunk=16,
+                               speculative_tokens=k))
+        try:
+            hs = [engine.submit(p, sampling(i)) for i, p in enumerate(prompts)]
+            outs[k] = [list(h) for h in hs]
+        finally:
+            engine.shutdown(5)
+    sampled = [i for i in range(6) if i % 3 != 2]
+    want = ling_jax.generate(cfg, params, [prompts[i] for i in sampled], max_new_tokens=9, stop_tokens=(),
+                             speculative_tokens=2, seed=[seeds[i] for i in sampled], **kw)
+    assert [[o.token_id for o in outs[2][i]] for i in sampled] == want
+    assert [[o.token_id for o in outs[2][i]] for i in sampled] != [[o.token_id for o in outs[0][i]] for i in sampled]
+    for i in (2, 5):  # greedy: the plain engine's tokens, log-probabilities and alternatives
+        assert [o.token_id for o in outs[2][i]] == [o.token_id for o in outs[0][i]]
+        for a, b in zip(outs[2][i], outs[0][i], strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    seq = prompts[0] + [o.token_id for o in outs[2][0]]
+    lp = np.asarray(jax.nn.log_softmax(ling_jax.forward(cfg, params, jnp.asarray([seq]))[0], axis=-1))
+    for j, o in enumerate(outs[2][0]):  # a sampled row's: log_softmax of the forward's logits
+        assert o.logprob == pytest.approx(lp[len(prompts[0]) - 1 + j, o.token_id], abs=1e-4)
+
+
+def test_speculative_pages_follow_the_tokens_held(model):
+    """With k drafts per call a decoding request holds the pages of its tokens and of the k positions a
+    call may write past them, at most: between loop iterations ceil(length / K) <= pages <=
+    ceil((length + k) / K); admission reserves prompt + max_tokens + k positions; all come back."""
+    cfg, params = model
+    k, size = 3, 8
+    engine = Engine(cfg, params, max_batch=3, max_len=64, page_size=size, prefill_chunk=16, speculative_tokens=k)
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng, cfg, 5, 1, 40)
+    hs = [engine.submit(p, SamplingParams(max_tokens=m, ignore_eos=True), f"r{i}")
+          for i, (p, m) in enumerate(zip(prompts, (16, 5, 9, 24, 1), strict=True))]
+    engine.forced_drafts = {"r0": np.asarray(_reference(cfg, params, prompts[:1], [16 + k + 1])[0], np.int32)}
+    checked = 0
+    while not all(h.finished for h in hs):
+        engine._iterate()
+        for s in engine.slots:
+            if s is None:
+                continue
+            promised = -(-(len(s.prompt) + s.handle.sampling.max_tokens + k) // size)
+            assert len(s.pages) + s.reserved == promised
+            if s.decoding and s.emitted > 1:
+                assert -(-s.length // size) <= len(s.pages) <= -(-(s.length + k) // size), (s.length, s.pages)
+                checked += 1
+            else:
+                assert len(s.pages) == -(-s.length // size)
+        assert engine.stats()["pages_used"] == sum(len(s.pages) for s in engine.slots if s is not None)
+    assert checked > 5
+    assert engine.stats()["pages_used"] == 0 and engine.pool.reserved == 0
+
+
+def test_speculation_needs_an_mtp_layer():
+    """k > 0 with a model without an MTP layer, and a k that is not an integer >= 0, are refused."""
+    cfg = LingConfig.preset("debug", num_nextn_predict_layers=0)
+    params = init_params(cfg, seed=0)
+    with pytest.raises(ValueError, match=r"speculative_tokens=2 drafts with the MTP layer.*num_nextn_predict_layers=0"):
+        Engine(cfg, params, max_batch=1, max_len=32, page_size=8, speculative_tokens=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="speculative_tokens=.* must be an integer >= 0"):
+            Engine(cfg, params, max_batch=1, max_len=32, page_size=8, speculative_tokens=bad)

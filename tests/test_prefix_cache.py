@@ -11,8 +11,10 @@ import pytest
 
 import ling_jax
 from ling_jax.config import LingConfig
+from ling_jax.decode.verify import prefill_speculative
 from ling_jax.engine import Engine, SamplingParams
 from ling_jax.engine.prefix import Hit, PrefixIndex, page_keys
+from ling_jax.kernels import select
 from ling_jax.params import init_params
 
 K = 4  # tokens per page in these tests
@@ -185,6 +187,54 @@ def test_prompt_logprobs_bypass_the_cache(model):
         engine.shutdown(5)
     assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(prompt)
     assert again.cached_tokens == 20
+
+
+def test_speculative_reuse_equals_generate(model):
+    """With MTP speculation (k = 2), requests that reuse cached pages (their MTP rows with them) and
+    snapshots (with the main hidden state at the boundary) at several depths, in chunks: before every
+    speculative call each decoding row's MTP rows of the positions before its last accepted tokens are
+    `prefill_speculative`'s rows of its tokens so far (those the chunks wrote, shared pages' included,
+    then those the calls wrote); greedy tokens are `generate`'s and seeded sampled ones
+    `generate(..., speculative_tokens=2, seed=...)`'s."""
+    cfg, params = model
+    k, bucket = 2, 64
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, cfg.vocab_size, 30).tolist()
+    prompts = [base] + [base[:m] + rng.integers(0, cfg.vocab_size, 5).tolist() for m in (4, 9, 16, 29, 30)] + [base]
+    kernels = select(cfg, dtype=params["embed"].dtype, inference=True)
+    checked = []
+
+    class Checked(Engine):
+        def _speculate(self, want_lp, table, active):
+            pages = np.asarray(self.drafting["pages"])
+            for i, s in active:
+                seq = np.concatenate([s.prompt, s.handle.tokens]).astype(np.int32)
+                ids = np.zeros((1, bucket), np.int32)
+                ids[0, :len(seq)] = seq
+                *_, want = prefill_speculative(cfg, kernels, params, ids, np.array([len(seq)]), bucket)
+                n = s.length - len(s.fresh or [s.last])  # positions whose rows are final
+                rows = pages[table[i]].reshape(-1, pages.shape[-1])[1:n + 1]  # page slot t + 1: position t
+                np.testing.assert_allclose(rows, np.asarray(want)[0, :n], rtol=1e-4, atol=1e-4)
+                checked.append(n)
+            return super()._speculate(want_lp, table, active)
+
+    engine = Checked(cfg, params, max_batch=2, max_len=bucket - k, page_size=K, prefill_chunk=8, prefix_cache=True,
+                     prefix_cache_gb=0.01, snapshot_pages=2, speculative_tokens=k)
+    got = {}
+    for mode in ("greedy", "sampled"):
+        sampling = [SamplingParams(max_tokens=7, ignore_eos=True, **({"temperature": 1.0, "seed": i}
+                                                                       if mode == "sampled" else {}))
+                    for i in range(len(prompts))]
+        hs = [engine.submit(p, sp) for p, sp in zip(prompts, sampling, strict=True)]
+        while not all(h.finished for h in hs):
+            engine._iterate()
+        got[mode] = ([h.result() for h in hs], [h.cached_tokens for h in hs])
+    assert got["greedy"][0] == _expected(cfg, params, prompts, 7)
+    assert got["sampled"][0] == ling_jax.generate(cfg, params, prompts, max_new_tokens=7, stop_tokens=(),
+                                                  temperature=1.0, seed=list(range(len(prompts))),
+                                                  speculative_tokens=k)
+    assert sum(c > 0 for c in got["greedy"][1] + got["sampled"][1]) >= 8
+    assert len(checked) > 20 and max(checked) > 30
 
 
 def test_index_bookkeeping():

@@ -46,8 +46,8 @@ from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import LingConfig
 from ling_jax.decode.step import latent_slots, prefill_stack
 from ling_jax.kernels import Kernels
-from ling_jax.layers.mla import mla_mixer
-from ling_jax.layers.rope import rope_cos_sin
+from ling_jax.layers.mla import mla_latent, mla_mixer
+from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.model import decoder_layer, embed, limits, lm_head, make_context, run_stack, sequence_mixer
 from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
@@ -101,18 +101,37 @@ def write_rows(latent_BSW: jax.Array, rows_BTW: jax.Array, start_B: jax.Array) -
 # ----------------------------------------------------------------------------- the MTP layer
 
 
+def _mtp_input(cfg: LingConfig, params: Params, ids_BT: jax.Array, h_BTD: jax.Array) -> tuple[Params, jax.Array]:
+    """MTP layer 0's params (dense) and its decoder layer's input [B, T, D]: eh_proj of the normed
+    embedding of `ids` beside the normed hidden `h`."""
+    eps = cfg.rms_norm_eps
+    p = dense_weights(params["mtp"][0], h_BTD.dtype)
+    e = rms_norm(embed(params, ids_BT), p["enorm"], eps)
+    z = jnp.concatenate([e, rms_norm(h_BTD, p["hnorm"], eps)], axis=-1)
+    return p, z @ p["eh_proj"].astype(z.dtype)
+
+
 def mtp_layer(cfg: LingConfig, kernels: Kernels, params: Params, ids_BT: jax.Array, h_BTD: jax.Array,
               mix: Mix) -> tuple[jax.Array, Any]:
     """MTP layer 0 (§2.8) on T positions: embedding of `ids` (the tokens one ahead) and the previous
     stage's hidden `h` -> (its final-normed hidden [B, T, D], what `mix` returned besides its output)."""
     i = cfg.num_hidden_layers
-    eps = cfg.rms_norm_eps
-    p = dense_weights(params["mtp"][0], h_BTD.dtype)
-    e = rms_norm(embed(params, ids_BT), p["enorm"], eps)
-    z = jnp.concatenate([e, rms_norm(h_BTD, p["hnorm"], eps)], axis=-1)
-    z, mixed, _ = decoder_layer(p, z @ p["eh_proj"].astype(z.dtype), limits(cfg, np.array(i)), cfg=cfg,
-                                kernels=kernels, ffn=cfg.ffn_of(i), mix=mix)
-    return rms_norm(z, p["final_norm"], eps), mixed
+    p, z = _mtp_input(cfg, params, ids_BT, h_BTD)
+    z, mixed, _ = decoder_layer(p, z, limits(cfg, np.array(i)), cfg=cfg, kernels=kernels, ffn=cfg.ffn_of(i), mix=mix)
+    return rms_norm(z, p["final_norm"], cfg.rms_norm_eps), mixed
+
+
+def mtp_rows(cfg: LingConfig, params: Params, ids_BT: jax.Array, h_BTD: jax.Array,
+             positions_BT: jax.Array) -> jax.Array:
+    """The MTP layer's latent rows alone (what its cache holds; its attention and FFN not run) of T
+    positions: inputs the tokens one ahead `ids` and the main hidden states `h` at `positions`
+    (the rope key's rotation): [B, T, r + d_r], the rows `mtp_layer` gives its mixer's cache."""
+    p, z = _mtp_input(cfg, params, ids_BT, h_BTD)
+    a = p["attn"]
+    x = rms_norm(z, p["input_norm"], cfg.rms_norm_eps)
+    c, k_rot = mla_latent(a, x @ a["kv_a_proj"].astype(x.dtype), cfg)
+    cos, sin = rope_cos_sin(positions_BT, cfg.qk_rope_head_dim, cfg.rope_theta)
+    return jnp.concatenate([c, apply_rope(k_rot, cos, sin)], axis=-1)
 
 
 def mtp_step(cfg: LingConfig, kernels: Kernels, params: Params, latent_BSW: jax.Array, ids_BT: jax.Array,
@@ -185,7 +204,7 @@ def kda_verify(p: Params, x_BTD: jax.Array, cache: dict[str, jax.Array], *,
     return out, {"k": k, "v": v, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P}
 
 
-def _advance_kda(c: dict[str, jax.Array], y: dict[str, jax.Array], advance_B: jax.Array) -> dict[str, jax.Array]:
+def advance_kda(c: dict[str, jax.Array], y: dict[str, jax.Array], advance_B: jax.Array) -> dict[str, jax.Array]:
     """A KDA stack's cache ({"state" [*lead, B, H, K, V], "conv" [*lead, B, W-1, 3P]}) after each row's
     first advance[b] of the T verified tokens (`kda_verify`'s record `y`, stacked alike)."""
     state = c["state"]
@@ -237,7 +256,7 @@ def commit(cache: Cache, new: list[Any], advance_B: jax.Array) -> Cache:
     def merge(c: dict, y: Any) -> dict:
         if "latent" in c:
             return {"latent": write_rows(c["latent"], y, lengths)}
-        return _advance_kda(c, y, advance_B)
+        return advance_kda(c, y, advance_B)
 
     segs = [merge(c, y) if "kda" not in c else {k: merge(c[k], y[k]) for k in c}
             for c, y in zip(cache["segments"], new, strict=True)]

@@ -13,6 +13,21 @@ A prompt's chunks carry its KDA state and windows from chunk to chunk in a one-r
 (`paged_cache_shapes(cfg, 1, 1, page_size)`), not in its slot: decode steps run every slot, and would
 advance the state of a slot still in its prompt. The last chunk writes the prompt's state into the
 slot (JetStream's prefill, then insert); the chunks' latents go straight to the slot's pages.
+
+Speculative decoding (`speculative_step`, the engine's `speculative_tokens=k`) adds a drafting state
+(`Drafting`): the MTP layer's latent pool {"pages": [P, K, W]} and per slot the main model's
+final-normed hidden states of the positions its last step accepted {"hidden": [B, k + 1, D]}; the
+staging cache and the prefix cache's snapshots then carry the hidden state of their last position
+too ("hidden" [rows, D]). The MTP pool is a pool of its own, read through the main pages' table: page
+p of the main pools and page p of the MTP pool belong to the same request, so pages are taken,
+shared and freed once for both, and the main leaves keep their layout (the plain decode step reads
+them in place). The MTP row of position t (inputs: the token at t + 1 and the main hidden state at t)
+is kept one page slot later, at t + 1: a page's MTP rows then depend on the tokens of its own prefix
+only (its slots s hold positions s - 1, made from tokens up to s), so a prompt page the prefix cache
+shares holds the right MTP rows for every prompt that starts with it, as its main rows do. A prompt's
+MTP rows equal `verify.prefill_speculative`'s (to rounding): a chunk writes those whose next token it
+holds, from the main hidden state the staging cache carries over the chunk boundary, and the first
+speculative step writes the prompt's last position's, with the first new token.
 """
 
 from __future__ import annotations
@@ -26,7 +41,9 @@ import jax.numpy as jnp
 from ling_jax.cache import Cache, place
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import logprobs, sample
+from ling_jax.decode.speculative import TOKEN, accept, mtp_drafts
 from ling_jax.decode.step import decode_step
+from ling_jax.decode.verify import advance_kda, mtp_rows, verify_step
 from ling_jax.kernels import Kernels
 from ling_jax.layers.kda import kda_mixer
 from ling_jax.layers.mla import mla_mixer
@@ -35,6 +52,7 @@ from ling_jax.ops.norms import rms_norm
 from ling_jax.params import Params
 
 TOP_LOGPROBS = 5  # alternatives computed per token where log-probabilities are asked for
+Drafting = dict[str, jax.Array]  # speculative decoding's state: {"pages": the MTP pool, "hidden"} (module doc)
 
 
 def _batch_axis(name: str, leaf: jax.Array) -> int:
@@ -48,14 +66,34 @@ def _chunk_caches(cache: Cache, staging: Cache, page_table_N: jax.Array, fresh: 
     slot's pages [.., 1, N * K, W] (gathered, in position order)."""
 
     def take(path: Any, leaf: jax.Array, staged: jax.Array) -> jax.Array:
-        if path[-1].key == "pages":  # [*lead, P, K, W] -> [*lead, 1, N * K, W]
-            rows = jnp.take(leaf, page_table_N, axis=leaf.ndim - 3, mode="clip")
-            return rows.reshape(*leaf.shape[:-3], 1, -1, leaf.shape[-1])
+        if path[-1].key == "pages":
+            return gather_pages(leaf, page_table_N[None])
         return jnp.where(fresh, jnp.zeros_like(staged), staged)
 
-    segs = jax.tree_util.tree_map_with_path(take, cache["segments"], staging["segments"])
+    return _as_latent(jax.tree_util.tree_map_with_path(take, cache["segments"], staging["segments"]))
+
+
+def _as_latent(segs: list[Any]) -> list[Any]:
+    """Segments with each MLA cache's gathered "pages" named "latent" (what the layers' sequence forms read)."""
     return jax.tree.map(lambda c: {"latent": c["pages"]} if "pages" in c else c, segs,
                         is_leaf=lambda c: isinstance(c, dict) and ("pages" in c or "state" in c))
+
+
+def gather_pages(pool: jax.Array, page_table_BN: jax.Array) -> jax.Array:
+    """The rows of each table's pages in position order: pool [*lead, P, K, W] -> [*lead, B, N * K, W]."""
+    rows = jnp.take(pool, page_table_BN, axis=pool.ndim - 3, mode="clip")
+    return rows.reshape(*pool.shape[:-3], page_table_BN.shape[0], -1, pool.shape[-1])
+
+
+def write_pages(pool: jax.Array, rows_BTW: jax.Array, page_table_BN: jax.Array, pos_BT: jax.Array,
+                valid_BT: jax.Array) -> jax.Array:
+    """pool [*lead, P, K, W] with rows [*lead, B, T, W] written at positions pos [B, T] of each row's
+    pages (table [B, N]); rows not `valid` are dropped."""
+    page_size = pool.shape[-2]
+    in_table = jnp.minimum(pos_BT // page_size, page_table_BN.shape[1] - 1)
+    page = jnp.where(valid_BT, jnp.take_along_axis(page_table_BN, in_table, axis=1), pool.shape[-3])
+    lead = (slice(None),) * (pool.ndim - 3)
+    return pool.at[(*lead, page, pos_BT % page_size)].set(rows_BTW.astype(pool.dtype), mode="drop")
 
 
 def _write_back(cache: Cache, new: list[Any], slot: jax.Array, page_table_N: jax.Array | None = None,
@@ -67,13 +105,9 @@ def _write_back(cache: Cache, new: list[Any], slot: jax.Array, page_table_N: jax
         name = path[-1].key
         if name == "pages" and page_table_N is None:
             return leaf
-        if name == "pages":  # upd: the chunk's rows [*lead, 1, C, W]
-            page_size, c = leaf.shape[-2], upd.shape[-2]
-            pos = start + jnp.arange(c)
-            in_table = jnp.minimum(pos // page_size, page_table_N.shape[0] - 1)
-            page = jnp.where(jnp.arange(c) < n_valid, page_table_N[in_table], leaf.shape[-3])  # pads: dropped
-            lead = (slice(None),) * (leaf.ndim - 3)
-            return leaf.at[(*lead, page, pos % page_size)].set(upd.reshape(*upd.shape[:-3], c, -1), mode="drop")
+        if name == "pages":  # upd: the chunk's rows [*lead, 1, C, W]; pads dropped
+            i_1C = jnp.arange(upd.shape[-2])[None]
+            return write_pages(leaf, upd, page_table_N[None], start + i_1C, i_1C < n_valid)
         return jax.lax.dynamic_update_slice_in_dim(leaf, upd.astype(leaf.dtype), slot, axis=_batch_axis(name, leaf))
 
     new = jax.tree.map(lambda c: {"pages": c["latent"]} if "latent" in c else c, new,
@@ -81,20 +115,29 @@ def _write_back(cache: Cache, new: list[Any], slot: jax.Array, page_table_N: jax
     return jax.tree_util.tree_map_with_path(put, cache["segments"], new)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
 def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, params: Params, cache: Cache,
-                  staging: Cache, page_table_N: jax.Array, slot: jax.Array, ids_C: jax.Array, start: jax.Array,
-                  n_valid: jax.Array, targets_C: jax.Array, key: jax.Array, temperature: jax.Array,
-                  top_k: jax.Array, top_p: jax.Array) -> tuple[Cache, Cache, dict[str, jax.Array]]:
+                  staging: Cache, drafting: Drafting | None, page_table_N: jax.Array, slot: jax.Array,
+                  ids_C: jax.Array, start: jax.Array, n_valid: jax.Array, targets_C: jax.Array, key: jax.Array,
+                  temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> tuple[Cache, Cache, Drafting | None, dict[str, jax.Array]]:
     """Runs ids_C[:n_valid] at positions start .. start + n_valid - 1 of the prompt in `slot`,
     continuing its earlier chunks (KDA state and windows in `staging`, from zero where start == 0;
     MLA latents in the slot's pages: page_table_N must name pages for every position up to
     start + n_valid): (cache with the chunk's latents in the slot's pages, its KDA state and windows in
-    the slot and its length start + n_valid; the staging cache with the state and windows; outputs).
+    the slot and its length start + n_valid; the staging cache with the state and windows; the
+    drafting state; outputs).
+
+    With `drafting` (speculative decoding, module doc; None: without) the chunk also writes the MTP
+    layer's rows of positions start - 1 .. start + n_valid - 2 (each needs the next token, so a chunk's
+    last position waits for the next chunk, the prompt's last for the first new token), from the main
+    hidden state at start - 1 that `staging["hidden"]` carries; `staging["hidden"]` and the slot's
+    drafting hidden row 0 take the last valid position's.
 
     Outputs: "token" the next token sampled from the last valid position's logits (as `sample`, with
-    `key` (key data) and token index 0: the request's first new token when this is its prompt's last
-    chunk), "logprob" / "top_ids" / "top_logprobs" of that token ([], [n], [n]) and, with
+    `key` (key data) and token index 0; with `drafting`, `speculative_loop`'s first token: key
+    fold_in(key, 0), purpose TOKEN) — the request's first new token when this is its prompt's last
+    chunk; "logprob" / "top_ids" / "top_logprobs" of that token ([], [n], [n]) and, with
     `prompt_logprobs`, per position i < n_valid the log-probability of targets_C[i] (the prompt's next
     token) and the top tokens ("prompt_logprob" [C], "prompt_top_ids" / "prompt_top_logprobs" [C, n]).
     The MLA layers attend over the slot's cached rows and the chunk in the absorbed form.
@@ -120,18 +163,37 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
 
     x, new = run_stack(cfg, params, embed(params, ids_C[None]), layer, caches=caches)
     segs = _write_back(cache, new, slot, page_table_N, start, n_valid)
-    staged = _write_back(staging, new, jnp.int32(0))
+    staged = {**staging, "segments": _write_back(staging, new, jnp.int32(0))}
     lengths = cache["lengths"].at[slot].set(start + n_valid)
     h_CD = rms_norm(x[0], params["final_norm"], cfg.rms_norm_eps)
     last_1V = lm_head(cfg, params, jnp.take(h_CD, n_valid - 1, axis=0)[None])
-    keys = jax.random.wrap_key_data(key[None])
-    token = sample(last_1V, keys, jnp.int32(0), temperature, top_k, top_p)
+    keys, step = jax.random.wrap_key_data(key[None]), jnp.int32(0)
+    if drafting is not None:
+        drafting, staged = _draft_rows(cfg, params, drafting, staged, h_CD, ids_C, page_table_N, slot, start, n_valid)
+        keys, step = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((1,), jnp.uint32)), jnp.int32(TOKEN)
+    token = sample(last_1V, keys, step, temperature, top_k, top_p)
     lp, top_ids, top_lp = logprobs(last_1V, token, TOP_LOGPROBS)
     out = {"token": token[0], "logprob": lp[0], "top_ids": top_ids[0], "top_logprobs": top_lp[0]}
     if prompt_logprobs:
         lp_C, ids_Cn, lps_Cn = logprobs(lm_head(cfg, params, h_CD), targets_C, TOP_LOGPROBS)
         out.update(prompt_logprob=lp_C, prompt_top_ids=ids_Cn, prompt_top_logprobs=lps_Cn)
-    return {**cache, **place({"segments": segs, "lengths": lengths})}, {**staging, "segments": staged}, out
+    return {**cache, **place({"segments": segs, "lengths": lengths})}, staged, drafting, out
+
+
+def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Cache, h_CD: jax.Array,
+                ids_C: jax.Array, page_table_N: jax.Array, slot: jax.Array, start: jax.Array,
+                n_valid: jax.Array) -> tuple[Drafting, Cache]:
+    """A prefill chunk's MTP rows (`prefill_chunk`): MTP position start - 1 + i (inputs: the chunk's
+    token i and the main hidden state one position before it) into page slot start + i, i < n_valid
+    (slot 0, position -1, has none); the last valid hidden state into `staging` and the slot's
+    drafting row 0."""
+    c = ids_C.shape[0]
+    slots_1C = (start + jnp.arange(c))[None]
+    rows = mtp_rows(cfg, params, ids_C[None], jnp.concatenate([staging["hidden"], h_CD[:-1]])[None], slots_1C - 1)
+    pages = write_pages(drafting["pages"], rows, page_table_N[None], slots_1C,
+                        (jnp.arange(c) < n_valid)[None] & (slots_1C > 0))
+    h_D = jnp.take(h_CD, n_valid - 1, axis=0)
+    return {"pages": pages, "hidden": drafting["hidden"].at[slot, 0].set(h_D)}, {**staging, "hidden": h_D[None]}
 
 
 def cache_page_size(cache: Cache) -> int:
@@ -179,10 +241,84 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     return {**cache, "tokens": last}, out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7))
+def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, unroll: bool, params: Params,
+                     cache: Cache, drafting: Drafting, page_table_BN: jax.Array, active_B: jax.Array,
+                     tokens_BT: jax.Array, m_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
+                     temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
+                     forced_BK: jax.Array | None = None) -> tuple[Cache, Drafting, dict[str, Any]]:
+    """One speculative step of every `active` row (`ling_jax.decode.speculative`, module doc 1-3):
+    the MTP layer drafts k tokens, the main model verifies the k + 1 positions lengths[b] ..
+    lengths[b] + k, and each row commits its accepted drafts and the main model's next token.
+
+    Row b's last step accepted the m[b] tokens tokens_BT[b, :m[b]] (after its prefill: m = 1, its
+    first new token), the tokens after positions lengths[b] - m[b] .. lengths[b] - 1, whose main
+    hidden states are drafting["hidden"][b, :m[b]]; the last of them is the one not yet run. Its draws use key data
+    keys_B[b] at output index index_B[b] (its tokens so far) as `speculative_loop`'s do, with its own
+    temperature, top-k and top-p. page_table_BN must name pages for positions up to lengths[b] + k
+    (the verify's latent rows; the MTP rows of positions up to lengths[b] + k - 1 are kept one page
+    slot later, module doc). Returns (cache: the main latent rows written, each active row's KDA
+    state and windows after its a[b] = accepted + 1 tokens, lengths + a; drafting: the MTP rows of the
+    drafted positions, the verified positions' hidden states; outputs: "tokens" [B, k + 1] (the a[b]
+    first are the row's new tokens), "accepted" [B] (a[b] - 1), and with `with_logprobs` the tokens'
+    log-probabilities under the main model [B, k + 1] and top tokens [B, k + 1, n]). Rows not active
+    change nothing: no page writes, their KDA state, length and drafting row as they were.
+
+    The MLA layers (main and MTP) attend over each row's pages gathered into [B, N * K, W] rows (the
+    verify's sequence forms, `kernels` a record for them); `unroll`: the verify's layers as one
+    straight-line program. `forced_BK` (a test hook, as `speculative_loop`'s): the drafts to verify,
+    with q = 1 on them, instead of the MTP layer's (whose rows are then not written).
+    """
+    b, t = tokens_BT.shape
+    lengths = cache["lengths"]
+    keys = jax.random.wrap_key_data(keys_B)
+    sampling = (temperature_B, top_k_B, top_p_B)
+    pages = drafting["pages"]
+    if forced_BK is None:
+        slots_BSW = gather_pages(pages, page_table_BN)  # slot s: MTP position s - 1
+        latent = jnp.concatenate([slots_BSW[:, 1:], jnp.zeros_like(slots_BSW[:, :1])], axis=1)
+        drafts, logq, latent = mtp_drafts(cfg, kernels, params, latent, tokens_BT, drafting["hidden"], m_B, lengths,
+                                          keys, index_B, sampling, k)
+        # the rows drafting wrote: positions lengths - m .. lengths + k - 1 (some as they were)
+        pos_BJ = (lengths - m_B)[:, None] + jnp.arange(2 * k + 1)[None]
+        rows = jnp.take_along_axis(latent, pos_BJ[..., None], axis=1, mode="clip")
+        written = active_B[:, None] & (pos_BJ < (lengths + k)[:, None]) & (pos_BJ + 1 < latent.shape[1])
+        pages = write_pages(pages, rows, page_table_BN, pos_BJ + 1, written)
+    else:
+        drafts = forced_BK
+        logq = jnp.where(jnp.arange(cfg.vocab_size) == drafts[..., None], 0.0, -jnp.inf)
+    pending = jnp.take_along_axis(tokens_BT, (m_B - 1)[:, None], axis=1)
+    view = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: gather_pages(leaf, page_table_BN) if path[-1].key == "pages" else leaf, cache["segments"])
+    logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, {"segments": _as_latent(view), "lengths": lengths},
+                                         jnp.concatenate([pending, drafts], axis=1), unroll)
+    n, final = accept(logits_BTV, drafts, logq, keys, index_B, *sampling)
+    advance = jnp.where(active_B, n + 1, 0)
+    pos_BT = lengths[:, None] + jnp.arange(t)[None]
+    valid_BT = jnp.broadcast_to(active_B[:, None], (b, t))
+
+    def merge(c: dict, y: Any) -> dict:
+        if "pages" in c:
+            return {"pages": write_pages(c["pages"], y, page_table_BN, pos_BT, valid_BT)}
+        return advance_kda(c, y, advance)
+
+    segs = [merge(c, y) if "kda" not in c else {name: merge(c[name], y[name]) for name in c}
+            for c, y in zip(cache["segments"], new, strict=True)]
+    slot_T = jnp.arange(t)[None]
+    tokens = jnp.where(slot_T < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), final[:, None])
+    out: dict[str, Any] = {"tokens": tokens, "accepted": n}
+    if with_logprobs:
+        lp, ids, lps = logprobs(logits_BTV.reshape(b * t, -1), tokens.reshape(-1), TOP_LOGPROBS)
+        out.update(logprob=lp.reshape(b, t), top_ids=ids.reshape(b, t, -1), top_logprobs=lps.reshape(b, t, -1))
+    hidden = jnp.where(active_B[:, None, None], h_BTD.astype(drafting["hidden"].dtype), drafting["hidden"])
+    return {**cache, **place({"segments": segs, "lengths": lengths + advance})}, {"pages": pages, "hidden": hidden}, out
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:
-    """`store` with its row `dst` set to the KDA states and conv windows of `source`'s row `row` (the
-    prefix cache's snapshot after a prefix: `source` is the staging cache of a prompt being prefilled)."""
+    """`store` with its row `dst` set to the KDA states and conv windows (and, where both have one, the
+    "hidden" row) of `source`'s row `row` (the prefix cache's snapshot after a prefix: `source` is the
+    staging cache of a prompt being prefilled)."""
 
     def put(path: Any, to: jax.Array, frm: jax.Array) -> jax.Array:
         name = path[-1].key
@@ -191,11 +327,15 @@ def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -
         axis = _batch_axis(name, to)
         return jax.lax.dynamic_update_slice_in_dim(to, jax.lax.dynamic_slice_in_dim(frm, row, 1, axis), dst, axis)
 
-    return {**store, "segments": jax.tree_util.tree_map_with_path(put, store["segments"], source["segments"])}
+    out = {**store, "segments": jax.tree_util.tree_map_with_path(put, store["segments"], source["segments"])}
+    if "hidden" in store:  # speculative decoding: the main hidden state of the prefix's last token
+        out["hidden"] = jax.lax.dynamic_update_slice_in_dim(
+            store["hidden"], jax.lax.dynamic_slice_in_dim(source["hidden"], row, 1, 0), dst, 0)
+    return out
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def restore_snapshot(staging: Cache, store: Cache, row: jax.Array) -> Cache:
-    """The staging cache holding snapshot `row`'s KDA states and conv windows (a prompt continuing a
-    cached prefix)."""
+    """The staging cache holding snapshot `row`'s KDA states and conv windows (and hidden state) (a
+    prompt continuing a cached prefix)."""
     return save_snapshot(staging, store, row, jnp.int32(0))

@@ -23,9 +23,21 @@ a device store of `prefix_cache_gb`; a request whose prompt starts with a cached
 deepest snapshot with all its pages and prefills only the rest (`RequestHandle.cached_tokens`).
 Unused cached pages are evicted, least recently used first, when the pool runs short.
 
+Speculative decoding (`speculative_tokens=k`, a model with an MTP layer): each loop iteration runs
+one speculative call over every slot instead of the decode calls (`device.speculative_step`: k MTP
+drafts, one verify of k + 1 positions reading the slots' pages, each row committing its accepted
+drafts and one token of the main model's), and delivers each row's 1 to k + 1 tokens (a stop token or
+`max_tokens` cuts them short) before the next call: the tokens are `generate(..., speculative_tokens=k)`'s
+(greedy: the plain tokens; seeded sampling: the same draws). The MTP layer's latent rows live in a pool
+of pages read through the main page table (`device` module doc), filled by the prompt's chunks; a row
+may write k + 1 positions per call, so a slot's pages run k positions ahead of its tokens and
+admission reserves prompt + max_tokens + k. Shared prefix pages hold their MTP rows too (they depend
+on the page's prefix alone) and snapshots the main hidden state at their boundary, so a prefix hit
+needs nothing recomputed.
+
 Compiled shapes: prefill chunks in powers of two up to `prefill_chunk` (at least 16), decode calls of
-1 and `decode_steps` steps, each with and without log-probabilities; `warmup()` compiles them all, and
-serving never compiles afterwards.
+1 and `decode_steps` steps (with speculation: the speculative call instead), each with and without
+log-probabilities; `warmup()` compiles them all, and serving never compiles afterwards.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from ling_jax.cache import nbytes, paged_cache_shapes, place
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import row_keys
 from ling_jax.decode.step import fuse_for_decode
+from ling_jax.decode.verify import has_mtp
 from ling_jax.engine import device
 from ling_jax.engine.prefix import PrefixIndex, page_keys
 from ling_jax.engine.request import QueueFull, RequestHandle, SamplingParams, TokenOutput
@@ -72,6 +85,7 @@ class _Slot:
     order: int = 0  # admission order
     restore: int | None = None  # the prefix cache's snapshot row to start the prompt's prefill from
     keys: list[bytes] = dataclasses.field(default_factory=list)  # the prompt's full pages' keys
+    fresh: list[int] = dataclasses.field(default_factory=list)  # speculation: the tokens its last call accepted
 
     @property
     def decoding(self) -> bool:
@@ -109,7 +123,13 @@ class Engine:
     loop iteration (default `prefill_chunk`); `decode_steps`: decode steps per call while nothing
     waits; `max_waiting`: queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
     every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
-    `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc).
+    `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc);
+    `speculative_tokens`: k MTP drafts per speculative call (0: plain decoding; k > 0 needs an MTP
+    layer, else ValueError).
+
+    `forced_drafts` (a test hook, as `speculative_loop`'s): request id -> int32 [N]; that request's
+    draft for output index j is forced_drafts[id][min(j, N - 1)] instead of the MTP layer's (while any
+    running request has an entry, the others' drafts are token 0).
     """
 
     def __init__(self, config: LingConfig, params: Params, *, max_batch: int = 8, max_len: int = 2048,
@@ -124,12 +144,16 @@ class Engine:
                 raise ValueError(f"{name}={v!r} must be an integer >= {least}")
         if max_len > config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
-        if speculative_tokens:
-            raise ValueError("speculative decoding is not part of this engine build")
+        if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens={speculative_tokens!r} must be an integer >= 0 (0 = off)")
+        if speculative_tokens and not has_mtp(config, params):
+            raise ValueError(f"speculative_tokens={speculative_tokens} drafts with the MTP layer, and this model has "
+                             f"none (num_nextn_predict_layers={config.num_nextn_predict_layers})")
         if isinstance(snapshot_pages, bool) or not isinstance(snapshot_pages, int) or snapshot_pages < 1:
             raise ValueError(f"snapshot_pages={snapshot_pages!r} must be an integer >= 1")
         self.config, self.max_batch, self.max_len, self.page_size = config, max_batch, max_len, page_size
-        self.max_pages = -(-max_len // page_size)
+        self.spec = speculative_tokens
+        self.max_pages = -(-(max_len + self.spec) // page_size)  # a verify writes k positions past the tokens
         self.num_pages = num_pages if num_pages is not None else max_batch * self.max_pages + 1
         if self.num_pages < self.max_pages + 1:
             raise ValueError(f"num_pages={self.num_pages} holds no request of max_len={max_len} "
@@ -139,7 +163,7 @@ class Engine:
         self.token_budget = token_budget or self.chunks[-1]
         self.decode_steps, self.max_waiting, self.mesh = decode_steps, max_waiting, mesh
         self.eos = frozenset(config.eos_token_id)
-        dtype = params["embed"].dtype
+        dtype = self.dtype = params["embed"].dtype
         with self._mesh():
             self.k_prefill: Kernels = select(config, dtype=dtype, inference=True)
             self.k_decode: Kernels = select(config, dtype=dtype, decode=True, unroll=unroll_layers)
@@ -149,19 +173,27 @@ class Engine:
             # committed to their devices, as every call's outputs are (else the first call compiles twice)
             self.cache, self.staging = (_committed(jax.jit(lambda t=t, extra=extra: {**place(jax.tree.map(
                 lambda s: jnp.zeros(s.shape, s.dtype), t)), **extra})()) for t, extra in (
-                (shapes, {"tokens": jnp.zeros(max_batch, jnp.int32)}), (staging, {})))
-        self.cache_bytes = nbytes(shapes)
+                (shapes, {"tokens": jnp.zeros(max_batch, jnp.int32)}), (staging, self._hidden(1))))
+            self.drafting: device.Drafting | None = None
+            if self.spec:
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                self.drafting = _committed(jax.jit(lambda: {
+                    "pages": jnp.zeros((self.num_pages, page_size, width), dtype),
+                    "hidden": jnp.zeros((max_batch, self.spec + 1, config.hidden_size), dtype)})())
+        self.cache_bytes = nbytes(shapes) + (nbytes(self.drafting) if self.drafting is not None else 0)
+        self.forced_drafts: dict[str, np.ndarray] = {}
         self.snapshot_pages = snapshot_pages
         self.prefix: PrefixIndex | None = None
         self.prefix_bytes = 0
         if prefix_cache:
-            row_bytes = nbytes(_kda_leaves(staging))
+            row_bytes = nbytes(_kda_leaves(staging)) + nbytes(self._hidden(1))
             rows = int(prefix_cache_gb * 1e9 // row_bytes)
             if rows < 1:
                 raise ValueError(f"prefix_cache_gb={prefix_cache_gb} holds no KDA snapshot ({row_bytes} bytes each)")
             store = paged_cache_shapes(config, rows, 1, page_size, dtype)
             with self._mesh():
-                self.store = _committed(jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), store))())
+                self.store = _committed(jax.jit(lambda: {
+                    **jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), store), **self._hidden(rows)})())
             self.prefix = PrefixIndex(page_size, rows)
             self.prefix_bytes = rows * row_bytes
         self.pool = PagePool(self.num_pages)
@@ -179,6 +211,8 @@ class Engine:
         self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool] | None = None  # the decode call running
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "prefill_chunks_total": 0, "decode_calls_total": 0}
+        if self.spec:
+            self.counters.update(spec_verify_calls=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
     # ------------------------------------------------------------------------------------- public
     @property
@@ -224,7 +258,9 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (running, waiting, pages; with the prefix cache its pages, snapshots and bytes) and
-        counters (requests, tokens, calls; prefix hits, misses, cached tokens, evictions)."""
+        counters (requests, tokens, calls; prefix hits, misses, cached tokens, evictions; with
+        speculation the speculative calls, the drafts they verified (k per decoding row) and the drafts
+        accepted)."""
         with self._lock:
             running = sum(s is not None for s in self.slots)
             out = {"running": running, "waiting": len(self.waiting), "pages_used": self.pool.used,
@@ -255,8 +291,9 @@ class Engine:
         thread.join()
 
     def warmup(self, *, logprobs: bool = True) -> None:
-        """Compiles every shape serving uses (each prefill chunk bucket and decode call, with and, unless
-        `logprobs` is False, without log-probabilities) on a scratch slot; nothing compiles after it.
+        """Compiles every shape serving uses (each prefill chunk bucket and decode call, or with speculation
+        the speculative call, with and, unless `logprobs` is False, without log-probabilities) on a
+        scratch slot; nothing compiles after it.
         `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work; a
         request that asks for them then compiles its shapes on first use."""
         variants = (False, True) if logprobs else (False,)
@@ -264,14 +301,16 @@ class Engine:
             table = np.zeros(self.max_pages, np.int32)
             for c in self.chunks:
                 for lp in variants:
-                    self.cache, self.staging, out = device.prefill_chunk(
-                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, table, np.int32(0),
-                        np.zeros(c, np.int32), np.int32(0), np.int32(1), np.zeros(c, np.int32),
+                    self.cache, self.staging, self.drafting, out = device.prefill_chunk(
+                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting, table,
+                        np.int32(0), np.zeros(c, np.int32), np.int32(0), np.int32(1), np.zeros(c, np.int32),
                         np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
-            for steps in sorted({1, self.decode_steps}):
+            for steps in sorted({1, self.decode_steps}) if not self.spec else ():
                 for lp in variants:
                     self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32),
                                                    np.zeros(self.max_batch, bool))
+            for lp in variants if self.spec else ():
+                out = self._speculate(lp, np.zeros((self.max_batch, self.max_pages), np.int32), [])
             if self.prefix is not None:  # a round trip: the store is left as it was
                 self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0))
                 self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
@@ -333,7 +372,8 @@ class Engine:
             # prompt log-probabilities need the whole prompt run, so such a request reads no cached prefix
             reuse = self.prefix is not None and h.sampling.prompt_logprobs is None
             hit = self.prefix.lookup(prompt) if reuse else None
-            need = -(-(len(prompt) + h.sampling.max_tokens) // self.page_size) - (len(hit.pages) if hit else 0)
+            tokens = len(prompt) + h.sampling.max_tokens + self.spec  # the most positions it writes
+            need = -(-tokens // self.page_size) - (len(hit.pages) if hit else 0)
             if hit:
                 self.prefix.acquire(hit)  # before counting what may be evicted
             evictable = self.prefix.evictable() if self.prefix is not None else 0
@@ -396,9 +436,9 @@ class Engine:
                 nxt = s.prompt[start + 1:start + n + 1]
                 targets[:len(nxt)] = nxt
                 sp = s.handle.sampling
-                self.cache, self.staging, out = device.prefill_chunk(
-                    self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self._table(s),
-                    np.int32(i), ids,
+                self.cache, self.staging, self.drafting, out = device.prefill_chunk(
+                    self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self.drafting,
+                    self._table(s), np.int32(i), ids,
                     np.int32(start), np.int32(n), targets, s.key, np.float32(sp.temperature),
                     np.int32(min(sp.top_k, self.vocab_size)), np.float32(sp.top_p))
                 s.prefilled, s.length = start + n, start + n
@@ -472,7 +512,11 @@ class Engine:
         """Dispatches the next decode call for every slot past its prompt (several steps per call while
         no request waits to start), then reads the previous call's tokens while the device runs it: the
         new call takes its inputs from the previous one's outputs on the device, so the host's work
-        (delivering tokens, admitting, building page tables) overlaps the device's."""
+        (delivering tokens, admitting, building page tables) overlaps the device's. With speculation: one
+        speculative call instead (`_speculate_round`)."""
+        if self.spec:
+            self._speculate_round()
+            return
         prev, self._flight = self._flight, None
         active = [(i, s) for i, s in enumerate(self.slots)
                   if s is not None and s.decoding and s.dispatched < s.handle.sampling.max_tokens]
@@ -519,6 +563,60 @@ class Engine:
                 temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
         return device.decode_steps(self.config, self.k_decode, steps, want_lp, self.params, self.cache, table,
                                    tokens, follow, keys, index, temp, top_k, top_p)
+
+    def _speculate_round(self) -> None:
+        """One speculative call over every slot past its prompt, then each row's accepted tokens delivered
+        (up to its stop token or `max_tokens`; the rest dropped with the request)."""
+        active = [(i, s) for i, s in enumerate(self.slots) if s is not None and s.decoding]
+        if not active:
+            return
+        table = np.zeros((self.max_batch, self.max_pages), np.int32)
+        for i, s in active:
+            self._pages_for(s, s.length + self.spec + 1)
+            table[i] = self._table(s)
+        want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
+        out = jax.device_get(self._speculate(want_lp, table, active))
+        self.counters["spec_verify_calls"] += 1
+        self.counters["spec_draft_tokens"] += self.spec * len(active)
+        self.counters["decode_calls_total"] += 1
+        for i, s in active:
+            n = int(out["accepted"][i]) + 1
+            self.counters["spec_accepted_tokens"] += n - 1
+            s.length += n
+            s.fresh = out["tokens"][i, :n].tolist()
+            for t in range(n):
+                lp = (float(out["logprob"][i, t]), out["top_ids"][i, t], out["top_logprobs"][i, t]) if want_lp \
+                    else (0.0, None, None)
+                if not self._emit(i, s, s.fresh[t], *lp):
+                    break
+            s.dispatched = s.emitted
+
+    def _speculate(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]]) -> Any:
+        """Dispatches `device.speculative_step` for the `active` rows (the others change nothing):
+        its outputs, on the device."""
+        b, t = self.max_batch, self.spec + 1
+        tokens, m = np.zeros((b, t), np.int32), np.ones(b, np.int32)
+        keys, index = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
+        temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+        rows = np.zeros(b, bool)
+        forced = np.zeros((b, self.spec), np.int32) if any(s.handle.id in self.forced_drafts for _, s in active) \
+            else None
+        for i, s in active:
+            fresh, sp = s.fresh or [s.last], s.handle.sampling
+            rows[i], tokens[i, :len(fresh)], m[i], keys[i], index[i] = True, fresh, len(fresh), s.key, s.emitted
+            temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
+            if forced is not None and s.handle.id in self.forced_drafts:
+                f = self.forced_drafts[s.handle.id]
+                forced[i] = f[np.minimum(s.emitted + np.arange(self.spec), len(f) - 1)]
+        self.cache, self.drafting, out = device.speculative_step(
+            self.config, self.k_prefill, self.spec, want_lp, True, self.params, self.cache, self.drafting, table,
+            rows, tokens, m, keys, index, temp, top_k, top_p, forced)
+        return out
+
+    def _hidden(self, rows: int) -> dict[str, jax.Array]:
+        """With speculation, a staging cache's or snapshot store's main hidden states ({"hidden" [rows, D]},
+        zeros; `device` module doc); without, nothing."""
+        return {"hidden": jnp.zeros((rows, self.config.hidden_size), self.dtype)} if self.spec else {}
 
     def _release(self, i: int, reason: str, error: str | None = None) -> None:
         """Ends slot i's request and gives back its pages and unused reservation."""

@@ -491,3 +491,32 @@ def test_drain_grace_cancels_the_rest(slow):
     drain(slow.state, slow.engine, 0.3)
     t.join(timeout=10)
     assert events[-1]["error"]["type"] == "service_unavailable"  # the stream's last event: the cancel
+
+
+# --- speculative decoding ----------------------------------------------------------------------------
+def test_speculative_engine_serves_generates_tokens(model, codec):
+    """A server on the engine with 2 MTP drafts per call (what `ling-serve --speculative-tokens 2`
+    builds): greedy completions, whole and streamed, give `generate`'s tokens, a seeded sampled one
+    `generate(..., speculative_tokens=2, seed=...)`'s, the log-probabilities are the model's, and
+    /metrics exports the speculation counters."""
+    engine = make_engine(model, max_batch=2, max_len=128, page_size=4, prefill_chunk=16, speculative_tokens=2)
+    try:
+        with serve(engine, codec=codec, model_name="tiny") as s:
+            body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            out = want(model, PROMPT, 10, stop_tokens=())
+            assert post(s.url, "/v1/completions", body).json()["choices"][0]["token_ids"] == out
+            assert streamed_ids(sse(s.url, "/v1/completions", body | {"stream": True})) == out
+            sampled = post(s.url, "/v1/completions", body | {"temperature": 1.0, "seed": 5}).json()
+            assert sampled["choices"][0]["token_ids"] == want(model, PROMPT, 10, stop_tokens=(), temperature=1.0,
+                                                              seed=5, speculative_tokens=2)
+            c = post(s.url, "/v1/completions", body | {"logprobs": 2}).json()["choices"][0]
+            assert c["token_ids"] == out
+            np.testing.assert_allclose(c["logprobs"]["token_logprobs"],
+                                       logprobs_of(model, PROMPT + out)[len(PROMPT) - 1:], atol=1e-4)
+            text = httpx.get(s.url + "/metrics").text
+    finally:
+        engine.shutdown(0.0)
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("ling_engine_")}
+    assert values["ling_engine_spec_verify_calls"] >= 4 * 9 / 3
+    assert values["ling_engine_spec_draft_tokens"] >= 2 * values["ling_engine_spec_verify_calls"]
+    assert 0 <= values["ling_engine_spec_accepted_tokens"] <= values["ling_engine_spec_draft_tokens"]

@@ -85,6 +85,16 @@ def test_runtime_errors_exit_1_with_one_line(checkpoint, tmp_path, capsys, monke
     assert capsys.readouterr().err == "ling-serve: the serving engine cannot be imported: no module named 'x'\n"
 
 
+def test_speculative_tokens_reach_the_engine(tmp_path, capsys):
+    """`--speculative-tokens 2` builds the engine with 2 drafts per call: a checkpoint without an MTP
+    layer is refused with the engine's one-line message (exit 1)."""
+    cfg = LingConfig.preset("debug", num_nextn_predict_layers=0)
+    save_hf_checkpoint(cfg, init_params(cfg, seed=0), tmp_path / "no-mtp", dtype="float32")
+    assert main(["--checkpoint", str(tmp_path / "no-mtp"), "--port", "0", "--speculative-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "speculative_tokens=2 drafts with the MTP layer" in err and err.count("\n") == 1
+
+
 SERVE_UNDER_TEST = """
 import sys
 from serve.server import main
@@ -94,14 +104,15 @@ sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
 
 
 @pytest.mark.heavy  # a fresh process compiles the model: ~10 s on 2 cores
-def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir):
-    """The real command (the engine paced to tokens 0.25 s apart, compiled before it listens) under SIGTERM
-    mid-stream."""
+@pytest.mark.parametrize("k", [0, 2], ids=["plain", "speculative"])
+def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir, k):
+    """The real command (the engine paced to tokens 0.25 s apart, compiled before it listens; with k
+    MTP drafts per call) under SIGTERM mid-stream."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "LING_API_KEY": "k"}
     cmd = [sys.executable, "-c", SERVE_UNDER_TEST, "--checkpoint", str(checkpoint), "--tokenizer",
            str(tokenizer_dir / "tokenizer.json"), "--port", "0", "--dtype", "float32", "--served-model-name", "tiny",
-           "--shutdown-grace", "30", "--prefill-chunk", "16", "--max-len", "256"]
+           "--shutdown-grace", "30", "--prefill-chunk", "16", "--max-len", "256", "--speculative-tokens", str(k)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
