@@ -1,6 +1,6 @@
 """Decode-step kernels alone: each Pallas kernel against the XLA form it replaces, same run, same inputs.
 
-    python3 bench/decode_kernels.py --out bench/results/decode_kernels_h200.json   # the GPU run
+    python3 bench/decode_kernels.py --out /tmp/decode_kernels.json   # the GPU run
     python3 bench/decode_kernels.py --smoke --out /tmp/dk.json                      # CPU (interpret), seconds
 
 At the preset's widths (default Ling-3.0-tiny) and each batch size, one jitted call runs `--calls`

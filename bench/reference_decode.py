@@ -3,10 +3,13 @@
 driven by its own `generate`, on the shapes of `bench/decode.py`.
 
 Not part of ling_jax: a PyTorch script for the GPU machine, the peer of `bench/decode.py`. It needs
-torch, transformers >= 5.25 and fla-core (their wheels are carried to the device in `.whl/`,
-BENCHMARKS.md says how). `--check-golden` first runs the golden set A through the same model class
-(float32, on the device given) and records how close it comes to the golden outputs, which the
-original `modeling_bailing_moe_v3.py` produced: that is what makes this model "the reference".
+torch, transformers >= 5.25 and fla-core, carried to the device as wheels (`pip download --no-deps -d .whl
+transformers==5.25.0 fla-core==0.6.0 huggingface_hub==2.4.0 kernels==0.19.1 httpx2 httpcore2 truststore
+tomlkit regex hf-xet`, there `pip install --no-deps --target /tmp/ref .whl/*.whl` and `PYTHONPATH=/tmp/ref`;
+for batch 128 at 32k, `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`). `--check-golden` first runs
+the golden set A through the same model class (float32, on the device given) and records how close it
+comes to the golden outputs, which the original `modeling_bailing_moe_v3.py` produced: that is what makes
+this model "the reference".
 
 Timing. A model of the preset's shape with random bf16 weights (the library's initialisation) and,
 per (batch, context), a cache holding `context` tokens of random latents, states and conv windows
