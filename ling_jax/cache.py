@@ -28,6 +28,7 @@ from ling_jax.sharding import constrain
 
 Cache = dict[str, Any]
 ROLES = {"state": "kda_state", "conv": "kda_conv", "latent": "mla_latent", "pages": "mla_pages"}  # leaf -> role
+STORE_ROLES = {**ROLES, "state": "kda_state_store", "conv": "kda_conv_store"}  # `place(.., store=True)`
 LATENT_BLOCK = 1024  # the latent cache length is allocated in multiples of this (decode attention block)
 
 
@@ -76,12 +77,15 @@ def paged_cache_shapes(cfg: LingConfig, batch: int, num_pages: int, page_size: i
     return {"segments": segs, "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
 
 
-def place(cache: Cache) -> Cache:
+def place(cache: Cache, *, store: bool = False) -> Cache:
     """The cache laid out by the sharding table's cache roles on the context mesh (identity without
-    one): rows over the token axes, KDA heads over `tensor`, the latent whole per row (stack axes
-    unsplit), instead of whatever layout GSPMD would pick for the loop carry."""
-    segs = jax.tree_util.tree_map_with_path(lambda path, x: constrain(x, ROLES[path[-1].key]), cache["segments"])
-    return {"segments": segs, "lengths": cache["lengths"]}
+    one): rows (and `lengths`) over the token axes, KDA heads over `tensor`, the latent whole per row,
+    a page pool whole (stack axes unsplit), instead of whatever layout GSPMD would pick for the loop
+    carry. `store`: a store of KDA snapshots read and written one row at a traced index (the engine's
+    prefix cache): its rows whole, `lengths` replicated."""
+    roles = STORE_ROLES if store else ROLES
+    segs = jax.tree_util.tree_map_with_path(lambda path, x: constrain(x, roles[path[-1].key]), cache["segments"])
+    return {"segments": segs, "lengths": constrain(cache["lengths"], "replicated" if store else "cache_rows")}
 
 
 def init_cache(cfg: LingConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16) -> Cache:

@@ -66,6 +66,11 @@ ROLES: dict[str, tuple[AxisSpec, ...]] = {
     "kda_conv": (BATCH_AXES, None, "tensor"),  # [B, W-1, 3P]
     "mla_latent": (BATCH_AXES, None, None),  # [B, S, r + d_r]: one latent shared by all heads, not split
     "mla_pages": (None, None, None),  # [P, K, r + d_r]: a page pool every row reads through its table: whole
+    "cache_rows": (BATCH_AXES,),  # [B] per-row vectors of a cache (lengths, the engine's last tokens): with the rows
+    # a store of KDA states read and written one row at a time at a traced index (the serving engine's
+    # prefix snapshots): rows whole (a slice of a split axis at a traced index gathers the axis), heads over tensor
+    "kda_state_store": (None, "tensor", None, None),  # [R, H, K, V] f32
+    "kda_conv_store": (None, None, "tensor"),  # [R, W-1, 3P]
 }
 
 # leaf name (last element of a ParamSlot.path) -> role; expert leaves are told apart by `Leaf.experts`.

@@ -50,6 +50,7 @@ from ling_jax.layers.mla import mla_mixer
 from ling_jax.model import decoder_layer, embed, lm_head, make_context, run_stack
 from ling_jax.ops.norms import rms_norm
 from ling_jax.params import Params
+from ling_jax.sharding import constrain
 
 TOP_LOGPROBS = 5  # alternatives computed per token where log-probabilities are asked for
 Drafting = dict[str, jax.Array]  # speculative decoding's state: {"pages": the MTP pool, "hidden"} (module doc)
@@ -177,7 +178,7 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
     if prompt_logprobs:
         lp_C, ids_Cn, lps_Cn = logprobs(lm_head(cfg, params, h_CD), targets_C, TOP_LOGPROBS)
         out.update(prompt_logprob=lp_C, prompt_top_ids=ids_Cn, prompt_top_logprobs=lps_Cn)
-    return {**cache, **place({"segments": segs, "lengths": lengths})}, staged, drafting, out
+    return {**cache, **place({"segments": segs, "lengths": lengths})}, {**staged, **place(staged)}, drafting, out
 
 
 def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Cache, h_CD: jax.Array,
@@ -194,6 +195,23 @@ def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Ca
                         (jnp.arange(c) < n_valid)[None] & (slots_1C > 0))
     h_D = jnp.take(h_CD, n_valid - 1, axis=0)
     return {"pages": pages, "hidden": drafting["hidden"].at[slot, 0].set(h_D)}, {**staging, "hidden": h_D[None]}
+
+
+def empty(shapes: Cache, extra: dict[str, jax.Array] | None = None, *, tokens: bool = False,
+          store: bool = False) -> Cache:
+    """Zeros of the paged cache `shapes` (`cache.paged_cache_shapes`) laid out by the sharding table on
+    the context mesh (`cache.place`; `store`: as a snapshot store), with the arrays of `extra` and with
+    `tokens` the engine's "tokens" [B] int32 (with the rows), committed to their devices: the layout
+    every function here returns its caches in, so that no function compiles a second time for its own
+    outputs."""
+
+    def build() -> Cache:
+        zeros = {**place(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), store=store), **(extra or {})}
+        if tokens:
+            zeros["tokens"] = constrain(jnp.zeros(shapes["lengths"].shape, jnp.int32), "cache_rows")
+        return zeros
+
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding), jax.jit(build)())
 
 
 def cache_page_size(cache: Cache) -> int:
@@ -238,7 +256,25 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
     cache, last, out = jax.lax.fori_loop(0, steps, body, (cache, tokens_B, out))
-    return {**cache, "tokens": last}, out
+    return {**cache, "tokens": constrain(last, "cache_rows")}, out
+
+
+def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:
+    """`to` with its row `dst` set to the KDA states and conv windows (and, where both have one, the
+    "hidden" row) of `source`'s row `row`."""
+
+    def put(path: Any, leaf: jax.Array, frm: jax.Array) -> jax.Array:
+        name = path[-1].key
+        if name == "pages":
+            return leaf
+        axis = _batch_axis(name, leaf)
+        return jax.lax.dynamic_update_slice_in_dim(leaf, jax.lax.dynamic_slice_in_dim(frm, row, 1, axis), dst, axis)
+
+    out = {**to, "segments": jax.tree_util.tree_map_with_path(put, to["segments"], source["segments"])}
+    if "hidden" in to:  # speculative decoding: the main hidden state of the prefix's last token
+        out["hidden"] = jax.lax.dynamic_update_slice_in_dim(
+            to["hidden"], jax.lax.dynamic_slice_in_dim(source["hidden"], row, 1, 0), dst, 0)
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7))
@@ -318,24 +354,15 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
 def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:
     """`store` with its row `dst` set to the KDA states and conv windows (and, where both have one, the
     "hidden" row) of `source`'s row `row` (the prefix cache's snapshot after a prefix: `source` is the
-    staging cache of a prompt being prefilled)."""
-
-    def put(path: Any, to: jax.Array, frm: jax.Array) -> jax.Array:
-        name = path[-1].key
-        if name == "pages":
-            return to
-        axis = _batch_axis(name, to)
-        return jax.lax.dynamic_update_slice_in_dim(to, jax.lax.dynamic_slice_in_dim(frm, row, 1, axis), dst, axis)
-
-    out = {**store, "segments": jax.tree_util.tree_map_with_path(put, store["segments"], source["segments"])}
-    if "hidden" in store:  # speculative decoding: the main hidden state of the prefix's last token
-        out["hidden"] = jax.lax.dynamic_update_slice_in_dim(
-            store["hidden"], jax.lax.dynamic_slice_in_dim(source["hidden"], row, 1, 0), dst, 0)
-    return out
+    staging cache of a prompt being prefilled), laid out as a store (`cache.place(.., store=True)`:
+    rows whole, so a row moves alone)."""
+    out = _copy_row(store, source, row, dst)
+    return {**out, **place(out, store=True)}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def restore_snapshot(staging: Cache, store: Cache, row: jax.Array) -> Cache:
     """The staging cache holding snapshot `row`'s KDA states and conv windows (and hidden state) (a
-    prompt continuing a cached prefix)."""
-    return save_snapshot(staging, store, row, jnp.int32(0))
+    prompt continuing a cached prefix), laid out as a cache (`cache.place`)."""
+    out = _copy_row(staging, store, row, jnp.int32(0))
+    return {**out, **place(out)}

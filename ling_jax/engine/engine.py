@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import nbytes, paged_cache_shapes, place
+from ling_jax.cache import nbytes, paged_cache_shapes
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import row_keys
 from ling_jax.decode.step import fuse_for_decode
@@ -170,10 +170,7 @@ class Engine:
             self.params = jax.jit(fuse_for_decode, static_argnums=(0, 1))(config, self.k_decode, params)
             shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
             staging = paged_cache_shapes(config, 1, 1, page_size, dtype)
-            # committed to their devices, as every call's outputs are (else the first call compiles twice)
-            self.cache, self.staging = (_committed(jax.jit(lambda t=t, extra=extra: {**place(jax.tree.map(
-                lambda s: jnp.zeros(s.shape, s.dtype), t)), **extra})()) for t, extra in (
-                (shapes, {"tokens": jnp.zeros(max_batch, jnp.int32)}), (staging, self._hidden(1))))
+            self.cache, self.staging = device.empty(shapes, tokens=True), device.empty(staging, self._hidden(1))
             self.drafting: device.Drafting | None = None
             if self.spec:
                 width = config.kv_lora_rank + config.qk_rope_head_dim
@@ -192,8 +189,7 @@ class Engine:
                 raise ValueError(f"prefix_cache_gb={prefix_cache_gb} holds no KDA snapshot ({row_bytes} bytes each)")
             store = paged_cache_shapes(config, rows, 1, page_size, dtype)
             with self._mesh():
-                self.store = _committed(jax.jit(lambda: {
-                    **jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), store), **self._hidden(rows)})())
+                self.store = device.empty(store, self._hidden(rows), store=True)
             self.prefix = PrefixIndex(page_size, rows)
             self.prefix_bytes = rows * row_bytes
         self.pool = PagePool(self.num_pages)
