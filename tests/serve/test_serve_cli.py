@@ -147,3 +147,42 @@ def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir, k):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.heavy  # a fresh process compiles the model on a mesh of 8 simulated devices: ~1 min on 2 cores
+def test_mesh_and_fp8_weights_end_to_end(tmp_path):
+    """The real command with `--mesh data=2,expert=4 --fp8-weights` (and the prefix cache) on the golden
+    block-FP8 checkpoint converted to Orbax, on 8 simulated CPU devices: a completion's token ids are
+    `generate`'s with the same FP8-resident weights; SIGTERM exits 0."""
+    import numpy as np
+
+    import ling_jax
+    from ling_jax.checkpoint.convert import convert_hf_to_orbax
+    from serve.generate import load_any
+    from tests.conftest import GOLDEN
+
+    ck = convert_hf_to_orbax(GOLDEN / "ling3_tiny_a_fp8", tmp_path / "ck", dtype="float8")
+    prompt = np.load(GOLDEN / "ling3_tiny_a_fp8" / "golden.npz")["decode_prompt_ids"][0].tolist()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
+           "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cmd = [sys.executable, "-m", "serve.server", "--checkpoint", str(ck), "--fp8-weights", "--mesh",
+           "data=2,expert=4", "--port", "0", "--dtype", "float32", "--served-model-name", "fp8", "--max-batch", "2",
+           "--max-len", "64", "--page-size", "8", "--prefill-chunk", "16", "--decode-steps", "4", "--prefix-cache",
+           "--prefix-cache-gb", "0.01"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg, params = load_any(ck, "float32", True)
+        want = ling_jax.generate(cfg, params, [prompt], max_new_tokens=12, stop_tokens=())[0]
+        line = proc.stdout.readline()
+        assert line.startswith("ling-serve: serving fp8 on http://127.0.0.1:"), line + proc.stderr.read()
+        r = httpx.post(line.split()[-1] + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        assert proc.stdout.read().splitlines()[-1] == "ling-serve: stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
