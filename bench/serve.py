@@ -28,6 +28,22 @@ as ling-generate's flag); a static request's tokens arrive with its batch's
 end, so its TTFT is its batch's time and it has no time per output token. The JSON result holds
 the machine (device, versions, date, command, commit), the arguments, both runs and the ratio of
 their output tokens/s.
+
+Prefix-cache workloads: `--shared-prefix N` starts every request's prompt with the same N random
+tokens (then its own, from `--prompt-len`); `--multi-turn T` makes each of the `--num-requests` a
+conversation of T turns, a turn's prompt being the previous turn's prompt + its output + new tokens
+from `--prompt-len` (a conversation's turns in order, conversations concurrently: `--concurrency` /
+`--rate` count conversations). Each run reports the prefix cache's part where the target tells it
+(the engine's `cached_tokens`, the server's `usage.prompt_tokens_details`): cached prompt tokens,
+requests with a hit and the hit rate (cached prompt tokens / prompt tokens), and an in-process
+engine's `stats()`. `--compare-prefix-cache` (in-process) runs the workload with the cache on
+("engine") and then off ("engine_no_prefix_cache"), with the on / off ratios of TTFT p50 / p99 and
+tokens/s.
+
+`--step-timing` (in-process, no workload) times the decode step with every slot busy: the engine's
+(`step_timing`: with its serving loop, pipelined calls of `--decode-steps`) against
+`ling_jax.decode.decode_loop`'s at the same batch (`--max-batch`) and context (the top of
+`--prompt-len`), over the top of `--output-len` steps, in the same process (the goal: within 10%).
 """
 
 from __future__ import annotations
@@ -57,13 +73,17 @@ class Request:
 
 @dataclasses.dataclass
 class Result:
-    """One request's measurements (seconds, perf_counter clock); ttft None when no token came."""
+    """One request's measurements (seconds, perf_counter clock); ttft None when no token came; `tokens`
+    the new token ids (where the target returns them); `cached` the prompt tokens the target's prefix
+    cache served (None where the target does not say)."""
 
     start: float
     end: float
     ttft: float | None
     n_prompt: int
     n_out: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cached: int | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -85,9 +105,43 @@ def parse_range(text: str) -> tuple[int, int]:
 def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
                   seed: int) -> list[Request]:
     """`n` requests of random token ids in [0, vocab); lengths uniform in the inclusive ranges."""
+    return [c[0] for c in make_conversations(n, prompt_len, output_len, vocab, seed)]
+
+
+def make_conversations(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int,
+                       *, shared_prefix: int = 0, turns: int = 1) -> list[list[Request]]:
+    """`n` conversations of `turns` turns. Each turn is a `Request` of its own new tokens (random ids in
+    [0, vocab), their number uniform in `prompt_len`) and its max_tokens (uniform in `output_len`);
+    with `shared_prefix` N every conversation's first turn starts with the same N random tokens (drawn
+    first). The prompt a turn is sent with is the previous turn's prompt, that turn's output and the
+    turn's own tokens (`run_conversation`). One turn without a shared prefix: `make_requests`'s draws."""
     rng = np.random.default_rng(seed)
-    return [Request(rng.integers(0, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1))).tolist(),
-                    int(rng.integers(output_len[0], output_len[1] + 1))) for _ in range(n)]
+    prefix = rng.integers(0, vocab, shared_prefix).tolist() if shared_prefix else []
+    convs = []
+    for _ in range(n):
+        conv = [Request(rng.integers(0, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1))).tolist(),
+                        int(rng.integers(output_len[0], output_len[1] + 1))) for _ in range(turns)]
+        convs.append([Request(prefix + conv[0].prompt, conv[0].max_tokens), *conv[1:]])
+    return convs
+
+
+def longest_request(shared_prefix: int, turns: int, prompt_len: tuple[int, int], output_len: tuple[int, int]) -> int:
+    """The most tokens (prompt + output) one request of `make_conversations`'s workload can hold."""
+    return shared_prefix + turns * (prompt_len[1] + output_len[1])
+
+
+async def run_conversation(turns: Sequence[Request], one: Callable[[Request], Awaitable[Result]]) -> list[Result]:
+    """The turns in order, each sent with the previous turn's prompt and output before its own tokens."""
+    history: list[int] = []
+    results = []
+    for turn in turns:
+        prompt = history + turn.prompt
+        r = await one(Request(prompt, turn.max_tokens))
+        if len(r.tokens) != r.n_out:
+            raise RuntimeError("a conversation's next turn needs the token ids of the last one's output")
+        history = prompt + r.tokens
+        results.append(r)
+    return results
 
 
 def percentiles(xs: Sequence[float | None]) -> dict[str, float | None]:
@@ -98,42 +152,50 @@ def percentiles(xs: Sequence[float | None]) -> dict[str, float | None]:
 
 
 def summarize(results: Sequence[Result]) -> dict[str, Any]:
-    """Throughputs over the whole run and per-request latency percentiles."""
+    """Throughputs over the whole run and per-request latency percentiles; where the target says how
+    many prompt tokens its prefix cache served, "prefix": those tokens, the requests that had any, and
+    the hit rate (cached prompt tokens / prompt tokens)."""
     t0, t1 = min(r.start for r in results), max(r.end for r in results)
     dur = t1 - t0
     n_out, n_prompt = sum(r.n_out for r in results), sum(r.n_prompt for r in results)
-    return {"requests": len(results), "duration_s": dur, "request_throughput": len(results) / dur,
-            "output_tokens": n_out, "prompt_tokens": n_prompt, "output_tokens_per_s": n_out / dur,
-            "total_tokens_per_s": (n_out + n_prompt) / dur, "ttft_s": percentiles([r.ttft for r in results]),
-            "tpot_s": percentiles([r.tpot for r in results]),
-            "e2e_s": percentiles([r.end - r.start for r in results]),
-            "mean_e2e_s": statistics.fmean(r.end - r.start for r in results)}
+    out = {"requests": len(results), "duration_s": dur, "request_throughput": len(results) / dur,
+           "output_tokens": n_out, "prompt_tokens": n_prompt, "output_tokens_per_s": n_out / dur,
+           "total_tokens_per_s": (n_out + n_prompt) / dur, "ttft_s": percentiles([r.ttft for r in results]),
+           "tpot_s": percentiles([r.tpot for r in results]),
+           "e2e_s": percentiles([r.end - r.start for r in results]),
+           "mean_e2e_s": statistics.fmean(r.end - r.start for r in results)}
+    if all(r.cached is not None for r in results):
+        cached = sum(r.cached or 0 for r in results)
+        out["prefix"] = {"cached_prompt_tokens": cached, "requests_with_hit": sum(bool(r.cached) for r in results),
+                         "hit_rate": cached / n_prompt}
+    return out
 
 
-async def drive(requests: Sequence[Request], one: Callable[[Request], Awaitable[Result]], *,
+async def drive(conversations: Sequence[Sequence[Request]], one: Callable[[Request], Awaitable[Result]], *,
                 concurrency: int | None = None, rate: float | None = None, seed: int = 0) -> list[Result]:
-    """Runs `one` over the requests: `concurrency` at a time (closed loop), or submitted at Poisson
-    arrival times of `rate` per second (open loop). Results in request order."""
-    results: list[Result | None] = [None] * len(requests)
+    """Runs the conversations (`run_conversation`: a conversation's turns in order) through `one`:
+    `concurrency` conversations at a time (closed loop), or each started at Poisson arrival times of
+    `rate` per second (open loop). Results in conversation order, each conversation's in turn order."""
+    results: list[list[Result] | None] = [None] * len(conversations)
     if rate is not None:
-        gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, len(requests))
+        gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, len(conversations))
         t0 = time.perf_counter()
         tasks = []
-        for req, at in zip(requests, np.cumsum(gaps), strict=True):
+        for conv, at in zip(conversations, np.cumsum(gaps), strict=True):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(run_conversation(conv, one)))
         for i, task in enumerate(tasks):
             results[i] = await task
-        return results  # type: ignore[return-value]
-    queue = list(enumerate(requests))[::-1]
+    else:
+        queue = list(enumerate(conversations))[::-1]
 
-    async def worker() -> None:
-        while queue:
-            i, req = queue.pop()
-            results[i] = await one(req)
+        async def worker() -> None:
+            while queue:
+                i, conv = queue.pop()
+                results[i] = await run_conversation(conv, one)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
-    return results  # type: ignore[return-value]
+        await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+    return [r for conv in results for r in conv or ()]
 
 
 def engine_runner(engine: Any) -> Callable[[Request], Awaitable[Result]]:
@@ -142,26 +204,26 @@ def engine_runner(engine: Any) -> Callable[[Request], Awaitable[Result]]:
 
     async def one(req: Request) -> Result:
         handle = engine.submit(req.prompt, SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True))
-        n = 0
-        async for _ in handle:
-            n += 1
+        tokens = [out.token_id async for out in handle]
         if handle.finish_reason != "length":
             raise RuntimeError(f"request {handle.id} ended with {handle.finish_reason}: {handle.error}")
         ttft = None if handle.first_token_at is None else handle.first_token_at - handle.submitted
-        return Result(handle.submitted, handle.finished_at, ttft, len(req.prompt), n)
+        return Result(handle.submitted, handle.finished_at, ttft, len(req.prompt), len(tokens), tokens,
+                      handle.cached_tokens)
 
     return one
 
 
 def http_runner(client: Any, url: str, model: str | None) -> Callable[[Request], Awaitable[Result]]:
-    """One request through a server's streamed /v1/completions (token ids counted from return_token_ids)."""
+    """One request through a server's streamed /v1/completions (token ids from return_token_ids, the
+    cached prompt tokens from the usage chunk's prompt_tokens_details)."""
 
     async def one(req: Request) -> Result:
         body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True}
+                "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
         if model:
             body["model"] = model
-        start, first, n = time.perf_counter(), None, 0
+        start, first, tokens, cached = time.perf_counter(), None, [], None
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
@@ -171,11 +233,13 @@ def http_runner(client: Any, url: str, model: str | None) -> Callable[[Request],
                 event = json.loads(line[6:])
                 if "error" in event:
                     raise RuntimeError(f"the server failed a request: {event['error']['message']}")
-                got = sum(len(c.get("token_ids", ())) for c in event["choices"])
+                got = [t for c in event["choices"] for t in c.get("token_ids", ())]
                 if got and first is None:
                     first = time.perf_counter() - start
-                n += got
-        return Result(start, time.perf_counter(), first, len(req.prompt), n)
+                tokens += got
+                if event.get("usage"):
+                    cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        return Result(start, time.perf_counter(), first, len(req.prompt), len(tokens), tokens, cached)
 
     return one
 
@@ -206,6 +270,93 @@ def run_static(cfg: Any, params: Any, requests: Sequence[Request], batch: int,
     return out
 
 
+def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversations: Sequence[Sequence[Request]],
+               *, concurrency: int | None, rate: float | None, seed: int, label: str,
+               **options: Any) -> dict[str, Any]:
+    """The workload through an in-process engine built from `options` (compiled and warmed up first):
+    `summarize` of its requests, its size, its `stats()` and its start-up time."""
+    t0 = time.perf_counter()
+    engine = engine_cls(cfg, params, **options)
+    if hasattr(engine, "warmup"):  # compiles every serving shape these requests use (no log-probabilities)
+        engine.warmup(logprobs=False)
+    engine.start()
+    start_s = time.perf_counter() - t0  # construction and compilation
+    print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
+          f"{'on' if options.get('prefix_cache') else 'off'}, ready in {start_s:.1f} s", flush=True)
+    try:
+        results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
+                                    seed=seed))
+        stats = engine.stats()
+    finally:
+        engine.shutdown(0.0)
+    return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
+            "engine_start_s": start_s}
+
+
+def step_timing(engine_cls: Callable[..., Any], cfg: Any, params: Any, *, batch: int, context: int, steps: int,
+                page_size: int, decode_steps: int, prefill_chunk: int, reps: int, seed: int) -> dict[str, Any]:
+    """ms per decode step of an in-process engine with all `batch` slots busy at `context` tokens,
+    against `ling_jax.decode.decode_loop`'s at the same batch and context, in this process.
+
+    Engine: `batch` requests of `context` random prompt tokens are submitted together; the last one
+    (prefilled last) generates m tokens, the others m + `batch` + 2 * `decode_steps` (so they are still
+    decoding when it ends). Its time from first to last token, at m = `steps` and m = 2 * `steps`
+    (fastest of `reps` each), differs by `steps` decode steps: the difference / `steps` is the step,
+    with the host's part of the serving loop and without the edges (prefill, the last call).
+    decode_loop: a cache of `batch` rows at `context` tokens (random latents and states), `steps` and
+    2 * `steps` greedy tokens per call (fastest of `reps` calls each), the difference / `steps`."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.decode import random_cache
+    from ling_jax.decode import decode_loop
+    from ling_jax.engine import SamplingParams
+
+    steps = -(-steps // decode_steps) * decode_steps
+    lead = batch + 2 * decode_steps
+    max_len = -(-(context + 2 * steps + lead) // page_size) * page_size
+    engine = engine_cls(cfg, params, max_batch=batch, max_len=max_len, page_size=page_size, decode_steps=decode_steps,
+                        prefill_chunk=prefill_chunk)
+    engine.warmup(logprobs=False)
+    engine.start()
+    rng = np.random.default_rng(seed)
+
+    def engine_window(m: int) -> float:
+        handles = [engine.submit(rng.integers(0, cfg.vocab_size, context).tolist(),
+                                 SamplingParams(max_tokens=m + (lead if i < batch - 1 else 0), temperature=0.0,
+                                                ignore_eos=True))
+                   for i in range(batch)]
+        for h in handles:
+            h.result()
+        last = handles[-1]
+        return last.finished_at - last.first_token_at
+
+    try:
+        windows = {m: min(engine_window(m) for _ in range(reps)) for m in (steps, 2 * steps)}
+    finally:
+        engine.shutdown(0.0)
+    logits = jax.random.normal(jax.random.key(seed), (batch, cfg.vocab_size), jnp.float32)
+    keys = jax.random.split(jax.random.key(seed), batch)
+    stop = jnp.asarray([-1], jnp.int32)
+
+    def loop_call(n: int) -> float:
+        cache = jax.block_until_ready(random_cache(cfg, batch, context + 2 * steps, context, params["embed"].dtype))
+        t0 = time.perf_counter()
+        jax.block_until_ready(decode_loop(cfg, params, cache, logits, 2 * steps, keys, jnp.float32(0.0),
+                                          jnp.int32(0), jnp.float32(1.0), stop, jnp.int32(n)))
+        return time.perf_counter() - t0
+
+    loop_call(steps)  # compiles
+    calls = {n: min(loop_call(n) for _ in range(reps)) for n in (steps, 2 * steps)}
+    engine_ms = 1e3 * (windows[2 * steps] - windows[steps]) / steps
+    loop_ms = 1e3 * (calls[2 * steps] - calls[steps]) / steps
+    return {"batch": batch, "context": context, "steps": [steps, 2 * steps], "decode_steps": decode_steps,
+            "reps": reps, "engine_window_s": {str(m): t for m, t in windows.items()},
+            "decode_loop_call_s": {str(n): t for n, t in calls.items()}, "engine_ms_per_step": engine_ms,
+            "decode_loop_ms_per_step": loop_ms, "engine_vs_decode_loop": engine_ms / loop_ms,
+            "within_10_percent": engine_ms <= 1.1 * loop_ms}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/serve.py", description=__doc__.split("\n\n")[0])
     target = ap.add_argument_group("target (one of)")
@@ -232,7 +383,25 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-len", type=int, default=None, help="engine max_len (default: the longest request)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--speculative-tokens", type=int, default=0)
-    ap.add_argument("--prefix-cache", action="store_true")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="the engine's largest prompt chunk per call")
+    ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
+    ap.add_argument("--prefix-cache", action="store_true", help="the in-process engine with its prefix cache")
+    work = ap.add_argument_group("prefix-cache workloads")
+    work.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                      help="every request's (first turn's) prompt starts with the same N random tokens, then its "
+                           "own drawn from --prompt-len")
+    work.add_argument("--multi-turn", type=int, default=1, metavar="T",
+                      help="--num-requests conversations of T turns: a turn's prompt is the last turn's prompt + "
+                           "its output + new tokens drawn from --prompt-len; a conversation's turns in order, "
+                           "conversations concurrently (--concurrency / --rate count conversations)")
+    work.add_argument("--compare-prefix-cache", action="store_true",
+                      help="in-process: the workload with the prefix cache on, then off, in this run (both in the "
+                           "JSON, with on/off ratios)")
+    ap.add_argument("--step-timing", action="store_true",
+                    help="in-process, instead of a workload: ms per decode step of the engine with all --max-batch "
+                         "slots busy at the top of --prompt-len tokens, against decode_loop's at the same batch "
+                         "and context (--output-len's top: steps timed)")
+    ap.add_argument("--step-reps", type=int, default=3, help="--step-timing: timed runs per measurement")
     ap.add_argument("--out", default="bench/results/serve.json")
     return ap
 
@@ -267,6 +436,15 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         ap.error("--static needs an in-process model (--preset --random-weights or --checkpoint)")
     if args.url and not (args.preset or args.vocab_size):
         ap.error("--url needs --vocab-size (or --preset) to draw token ids")
+    if (args.compare_prefix_cache or args.step_timing) and not in_process:
+        ap.error("--compare-prefix-cache and --step-timing need an in-process engine")
+    if args.static and args.multi_turn > 1:
+        ap.error("--static runs single-turn requests (its prompts are known in advance)")
+    if args.step_timing and (args.static or args.compare_prefix_cache or args.multi_turn > 1 or args.shared_prefix):
+        ap.error("--step-timing runs no workload: without --static, --compare-prefix-cache, --multi-turn, "
+                 "--shared-prefix")
+    if args.shared_prefix < 0 or min(args.multi_turn, args.decode_steps, args.prefill_chunk, args.step_reps) < 1:
+        ap.error("--shared-prefix must be >= 0, --multi-turn, --decode-steps, --prefill-chunk and --step-reps >= 1")
     try:
         prompt_len, output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     except ValueError as e:
@@ -285,9 +463,26 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         vocab = cfg.vocab_size
     else:
         vocab = args.vocab_size or LingConfig.preset(args.preset).vocab_size
-    requests = make_requests(args.num_requests, prompt_len, output_len, vocab, args.seed)
+    if engine_cls is None and in_process:
+        from ling_jax.engine import Engine
+
+        engine_cls = Engine
+    if args.step_timing:
+        result["step_timing"] = t = step_timing(
+            engine_cls, cfg, params, batch=args.max_batch or concurrency or 8, context=prompt_len[1],
+            steps=output_len[1], page_size=args.page_size, decode_steps=args.decode_steps,
+            prefill_chunk=args.prefill_chunk, reps=args.step_reps, seed=args.seed)
+        print(f"decode step at batch {t['batch']}, context {t['context']}: engine {t['engine_ms_per_step']:.3f} ms, "
+              f"decode_loop {t['decode_loop_ms_per_step']:.3f} ms ({t['engine_vs_decode_loop']:.2f}x)")
+        print(f"wrote {write_json(args.out, result)}")
+        return 0
+    convs = make_conversations(args.num_requests, prompt_len, output_len, vocab, args.seed,
+                               shared_prefix=args.shared_prefix, turns=args.multi_turn)
+    requests = [r for conv in convs for r in conv]  # single-turn: the requests as sent
     mode = {"concurrency": concurrency} if args.rate is None else {"rate": args.rate}
     result["load"] = {**mode, "prompt_len": prompt_len, "output_len": output_len}
+    if args.shared_prefix or args.multi_turn > 1:
+        result["load"].update(shared_prefix=args.shared_prefix, turns=args.multi_turn)
 
     if args.url:
         import httpx
@@ -297,46 +492,45 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         async def over_http() -> list[Result]:
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
             async with httpx.AsyncClient(timeout=None, headers=headers, limits=limits) as client:
-                return await drive(requests, http_runner(client, args.url.rstrip("/"), args.model),
+                return await drive(convs, http_runner(client, args.url.rstrip("/"), args.model),
                                    concurrency=concurrency, rate=args.rate, seed=args.seed)
 
         result["server"] = summarize(asyncio.run(over_http()))
     else:
-        max_batch = args.max_batch or concurrency or 8
-        max_len = args.max_len or -(-(prompt_len[1] + output_len[1]) // args.page_size) * args.page_size
-        if engine_cls is None:
-            from ling_jax.engine import Engine
-
-            engine_cls = Engine
-        t0 = time.perf_counter()
-        engine = engine_cls(cfg, params, max_batch=max_batch, max_len=max_len, page_size=args.page_size,
-                            speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache)
-        if hasattr(engine, "warmup"):  # compiles every serving shape these requests use (no log-probabilities)
-            engine.warmup(logprobs=False)
-        engine.start()
-        result["engine_start_s"] = time.perf_counter() - t0  # construction and compilation
-        print(f"engine: {max_batch} slots, max_len {max_len}, ready in {result['engine_start_s']:.1f} s", flush=True)
-        try:
-            results = asyncio.run(drive(requests, engine_runner(engine), concurrency=concurrency, rate=args.rate,
-                                        seed=args.seed))
-            result["engine"] = {**summarize(results), "max_batch": max_batch, "max_len": max_len,
-                                "stats": engine.stats()}
-        finally:
-            engine.shutdown(0.0)
-        del engine
-        write_json(args.out, result)
-        print(f"engine: {len(requests)} requests in {result['engine']['duration_s']:.1f} s", flush=True)
+        longest = longest_request(args.shared_prefix, args.multi_turn, prompt_len, output_len)
+        options = dict(max_batch=args.max_batch or concurrency or 8, page_size=args.page_size,
+                       max_len=args.max_len or -(-longest // args.page_size) * args.page_size,
+                       speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps,
+                       prefill_chunk=args.prefill_chunk)
+        load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
+        runs = [("engine", args.prefix_cache or args.compare_prefix_cache)]
+        if args.compare_prefix_cache:
+            runs.append(("engine_no_prefix_cache", False))
+        for name, prefix in runs:
+            result[name] = run_engine(engine_cls, cfg, params, convs, label=name, prefix_cache=prefix, **load,
+                                      **options)
+            write_json(args.out, result)
+            print(f"{name}: {len(requests)} requests in {result[name]['duration_s']:.1f} s", flush=True)
+        if args.compare_prefix_cache:
+            on, off = result["engine"], result["engine_no_prefix_cache"]
+            result["prefix_cache_vs_off"] = {
+                "ttft_p50": on["ttft_s"]["p50"] / off["ttft_s"]["p50"],
+                "ttft_p99": on["ttft_s"]["p99"] / off["ttft_s"]["p99"],
+                "output_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+                "total_tokens_per_s": on["total_tokens_per_s"] / off["total_tokens_per_s"]}
         if args.static:
-            result["static"] = run_static(cfg, params, requests, concurrency or max_batch,
+            result["static"] = run_static(cfg, params, requests, concurrency or options["max_batch"],
                                           unroll_layers=not args.scan_layers)
             result["output_tokens_per_s_vs_static"] = (result["engine"]["output_tokens_per_s"]
                                                        / result["static"]["output_tokens_per_s"])
-    for name in ("server", "engine", "static"):
+    for name in ("server", "engine", "engine_no_prefix_cache", "static"):
         if name in result:
             r = result[name]
+            hits = f"; prefix hit rate {r['prefix']['hit_rate']:.3f}" if "prefix" in r else ""
             print(f"{name:>6}: {r['requests']} requests in {r['duration_s']:.2f} s: {r['request_throughput']:.2f} "
                   f"req/s, {r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total "
-                  f"tokens/s; TTFT p50 {r['ttft_s']['p50']}, TPOT p50 {r['tpot_s']['p50']}")
+                  f"tokens/s; TTFT p50 {r['ttft_s']['p50']} p99 {r['ttft_s']['p99']}, TPOT p50 {r['tpot_s']['p50']}"
+                  f"{hits}")
     with contextlib.suppress(KeyError):
         print(f"engine / static output tokens/s: {result['output_tokens_per_s_vs_static']:.2f}x")
     print(f"wrote {write_json(args.out, result)}")

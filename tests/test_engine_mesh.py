@@ -54,7 +54,7 @@ def _serve_all(engine: Engine, prompts, max_tokens, concurrency: int):
         h = engine.submit(prompts[i], SamplingParams(max_tokens=max_tokens[i], ignore_eos=True))
         return h.result(), h.cached_tokens
 
-    engine.warmup()
+    engine.warmup(logprobs=False)
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **_: compiles.append(event) if "backend_compile" in event else None)
     engine.start()

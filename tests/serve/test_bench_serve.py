@@ -1,5 +1,6 @@
 """bench/serve.py on CPU: an in-process engine (the engine under test) against static generate
-batches, a running server under Poisson arrivals, and its argument checks."""
+batches, a running server under Poisson arrivals, the prefix-cache workloads (shared prefix,
+multi-turn conversations, cache on against off), the decode step timing, and its argument checks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from bench.serve import main, make_requests
+from bench.serve import main, make_conversations, make_requests
 from ling_jax.engine import Engine
 from tests.serve.harness import make_engine, serve
 
@@ -44,10 +45,84 @@ def test_server_under_poisson_arrivals(tmp_path, model):
     assert r["load"] == {"rate": 40.0, "prompt_len": [3, 9], "output_len": [1, 5]}
 
 
+def _prompt_tokens(convs) -> int:
+    """Prompt tokens sent for the conversations: each turn's prompt holds every earlier turn's tokens and
+    output (each request generates exactly its max_tokens) and its own."""
+    total = 0
+    for conv in convs:
+        history = 0
+        for turn in conv:
+            total += history + len(turn.prompt)
+            history += len(turn.prompt) + turn.max_tokens
+    return total
+
+
+def test_multi_turn_shared_prefix_cache_on_against_off(tmp_path):
+    """Conversations of 3 turns whose first prompts share 8 tokens, with the prefix cache on and then
+    off in one run: every turn is sent with the conversation so far, the cache serves part of the
+    prompts (hit rate = cached / prompt tokens) and none with it off."""
+    out = tmp_path / "r.json"
+    assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "3",
+                 "--concurrency", "2", "--multi-turn", "3", "--shared-prefix", "8", "--prompt-len", "4:8",
+                 "--output-len", "2:5", "--page-size", "4", "--prefill-chunk", "16", "--compare-prefix-cache",
+                 "--out", str(out)], engine_cls=Engine) == 0
+    r = json.loads(out.read_text())
+    convs = make_conversations(3, (4, 8), (2, 5), 512, 0, shared_prefix=8, turns=3)
+    assert len({tuple(c[0].prompt[:8]) for c in convs}) == 1 and len({tuple(c[0].prompt) for c in convs}) == 3
+    on, off = r["engine"], r["engine_no_prefix_cache"]
+    for run in (on, off):
+        assert run["requests"] == 9 and run["prompt_tokens"] == _prompt_tokens(convs)
+        assert run["output_tokens"] == sum(t.max_tokens for c in convs for t in c)
+        assert run["ttft_s"]["p99"] >= run["ttft_s"]["p50"] > 0
+    assert on["prefix"]["cached_prompt_tokens"] == on["stats"]["prefix_cached_tokens"] > 0
+    assert on["prefix"]["hit_rate"] == on["prefix"]["cached_prompt_tokens"] / on["prompt_tokens"]
+    assert on["prefix"]["requests_with_hit"] >= 6  # every later turn reads its conversation's earlier prompt
+    assert off["prefix"] == {"cached_prompt_tokens": 0, "requests_with_hit": 0, "hit_rate": 0.0}
+    assert "prefix_hits" not in off["stats"]
+    assert set(r["prefix_cache_vs_off"]) == {"ttft_p50", "ttft_p99", "output_tokens_per_s", "total_tokens_per_s"}
+    assert r["load"]["shared_prefix"] == 8 and r["load"]["turns"] == 3
+
+
+def test_shared_prefix_through_the_server(tmp_path, server):
+    """--shared-prefix against a running server with its prefix cache: the cached prompt tokens come from
+    the streamed usage; every request after the first reads the shared 12 tokens."""
+    out = tmp_path / "r.json"
+    assert main(["--url", server.url, "--vocab-size", "512", "--num-requests", "4", "--concurrency", "1",
+                 "--shared-prefix", "12", "--prompt-len", "2:5", "--output-len", "1:3", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["server"]
+    assert r["prompt_tokens"] == sum(len(c[0].prompt) for c in make_conversations(4, (2, 5), (1, 3), 512, 0,
+                                                                                   shared_prefix=12))
+    assert r["prefix"]["cached_prompt_tokens"] >= 3 * 12 and r["prefix"]["requests_with_hit"] >= 3
+
+
+def test_step_timing(tmp_path):
+    """--step-timing: the engine's step with every slot busy and decode_loop's, at the same batch and
+    context, from runs of `steps` and twice as many steps (rounded up to whole decode calls)."""
+    out = tmp_path / "r.json"
+    assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--step-timing", "--max-batch", "2",
+                 "--prompt-len", "8", "--output-len", "6", "--decode-steps", "4", "--prefill-chunk", "16",
+                 "--step-reps", "2", "--out", str(out)], engine_cls=Engine) == 0
+    t = json.loads(out.read_text())["step_timing"]
+    assert (t["batch"], t["context"], t["steps"], t["decode_steps"]) == (2, 8, [8, 16], 4)
+    # (CPU timings of the debug model are too short to order: the differences are checked, not their sign)
+    assert min(t["engine_window_s"]["16"], t["engine_window_s"]["8"]) > 0
+    assert min(t["decode_loop_call_s"]["16"], t["decode_loop_call_s"]["8"]) > 0
+    assert t["decode_loop_ms_per_step"] == pytest.approx(1e3 * (t["decode_loop_call_s"]["16"]
+                                                                - t["decode_loop_call_s"]["8"]) / 8)
+    assert t["engine_ms_per_step"] == pytest.approx(1e3 * (t["engine_window_s"]["16"] - t["engine_window_s"]["8"]) / 8)
+    assert t["engine_vs_decode_loop"] == pytest.approx(t["engine_ms_per_step"] / t["decode_loop_ms_per_step"])
+
+
 @pytest.mark.parametrize("args", [["--url", "http://x", "--static", "--vocab-size", "9"], ["--url", "http://x"],
                                   ["--random-weights"], [], ["--preset", "debug", "--random-weights",
                                                              "--prompt-len", "5:2"],
-                                  ["--url", "http://x", "--vocab-size", "9", "--concurrency", "0"]])
+                                  ["--url", "http://x", "--vocab-size", "9", "--concurrency", "0"],
+                                  ["--url", "http://x", "--vocab-size", "9", "--compare-prefix-cache"],
+                                  ["--url", "http://x", "--vocab-size", "9", "--step-timing"],
+                                  ["--preset", "debug", "--random-weights", "--static", "--multi-turn", "2"],
+                                  ["--preset", "debug", "--random-weights", "--step-timing", "--shared-prefix", "4"],
+                                  ["--preset", "debug", "--random-weights", "--multi-turn", "0"],
+                                  ["--preset", "debug", "--random-weights", "--shared-prefix", "-1"]])
 def test_bad_arguments(args):
     with pytest.raises(SystemExit) as e:
         main(args)
