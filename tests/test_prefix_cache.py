@@ -168,6 +168,31 @@ def test_eviction_and_rebuild_equal_generate(model):
     assert cached[9] == 24  # 3 right after 3
 
 
+def test_a_request_waiting_for_pages_is_counted_once(model):
+    """A request that hits a cached prefix but waits for pages (the pool holds one request) is looked up
+    again at every admission attempt, and counted once, when admitted: hits, misses and cached tokens
+    are those of the requests."""
+    cfg, params = model
+    rng = np.random.default_rng(4)
+    system = rng.integers(0, cfg.vocab_size, 24).tolist()
+    prompts = [system + rng.integers(0, cfg.vocab_size, 3).tolist() for _ in range(2)]
+    # one request of 27 + 12 tokens holds 10 pages: the second waits until the first ends
+    engine = Engine(cfg, params, max_batch=2, max_len=40, page_size=K, num_pages=11, prefill_chunk=16,
+                    decode_steps=1, prefix_cache=True, prefix_cache_gb=0.01)
+    first = engine.submit(prompts[0], _greedy(12))
+    while first.first_token_at is None:  # its prompt prefilled: pages and snapshot cached
+        engine._iterate()
+    second = engine.submit(prompts[1], _greedy(12))
+    engine.start()
+    try:
+        assert second.result() == _expected(cfg, params, [prompts[1]], 12)[0] and first.result()
+    finally:
+        engine.shutdown(5)
+    stats = engine.stats()
+    assert second.cached_tokens == 24 and engine.counters["decode_calls_total"] > 3
+    assert (stats["prefix_hits"], stats["prefix_misses"], stats["prefix_cached_tokens"]) == (1, 1, 24)
+
+
 def test_prompt_logprobs_bypass_the_cache(model):
     """A request asking for prompt log-probabilities runs its whole prompt (cached_tokens 0) and gets
     one per prompt token; greedy tokens are the same either way."""

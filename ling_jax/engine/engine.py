@@ -380,6 +380,8 @@ class Engine:
                 return
             self.waiting.popleft()
             del self._pending[h.id]
+            if reuse:
+                self.prefix.count(hit)
             stop = frozenset(h.sampling.stop_token_ids) | (frozenset() if h.sampling.ignore_eos else self.eos)
             self.pool.reserved += need
             self._admitted += 1

@@ -62,7 +62,8 @@ class PrefixIndex:
     def lookup(self, prompt: np.ndarray) -> Hit:
         """The deepest reusable prefix of `prompt`: a boundary below its last token with every page
         and a snapshot (the last token is always prefilled: its logits give the first new token).
-        Marks what it returns as recently used and counts the hit or miss; the caller `acquire`s."""
+        Marks what it returns as recently used; the caller `acquire`s it, and `count`s it once the
+        request is admitted (a request waiting for pages looks up again)."""
         keys = page_keys(prompt[:len(prompt) - 1], self.page_size)
         best = 0
         for i, key in enumerate(keys):
@@ -71,14 +72,19 @@ class PrefixIndex:
             if key in self.snapshots:
                 best = i + 1
         if best == 0:
-            self.counters["prefix_misses"] += 1
             return Hit()
-        self.counters["prefix_hits"] += 1
-        self.counters["prefix_cached_tokens"] += best * self.page_size
         for key in reversed(keys[:best]):  # a page is used more recently than those after it: leaves go first
             self.pages.move_to_end(key)
         self.snapshots.move_to_end(keys[best - 1])
         return Hit(best * self.page_size, [self.pages[k] for k in keys[:best]], self.snapshots[keys[best - 1]])
+
+    def count(self, hit: Hit) -> None:
+        """Counts an admitted request's lookup: a hit (and its cached tokens) or a miss."""
+        if hit.length:
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_cached_tokens"] += hit.length
+        else:
+            self.counters["prefix_misses"] += 1
 
     def acquire(self, hit: Hit) -> None:
         """A request reads `hit`: its pages and its snapshot row stay until `release` / `restored`."""
