@@ -35,12 +35,13 @@ def _expected(cfg, params, prompts, n):
 
 
 def _run(engine, prompts, n):
-    """Each prompt in turn (the next one submitted after the last finished): (tokens, cached_tokens)."""
-    out = []
-    for p in prompts:
-        h = engine.submit(p, _greedy(n))
-        out.append((h.result(), h.cached_tokens))
-    return out
+    """Starts the engine, then each prompt in turn (the next one submitted after the last finished),
+    then shuts it down: [(tokens, cached_tokens)]."""
+    engine.start()
+    try:
+        return [(h.result(), h.cached_tokens) for h in (engine.submit(p, _greedy(n)) for p in prompts)]
+    finally:
+        engine.shutdown(5)
 
 
 def test_reuse_at_every_depth_equals_generate(model):
@@ -55,11 +56,7 @@ def test_reuse_at_every_depth_equals_generate(model):
     prompts = [base] + [base[:m] + rng.integers(0, cfg.vocab_size, 6).tolist() for m in shared] + [base]
     engine = Engine(cfg, params, max_batch=2, max_len=96, page_size=K, prefill_chunk=16, prefix_cache=True,
                     prefix_cache_gb=0.01, snapshot_pages=2)
-    engine.start()
-    try:
-        got = _run(engine, prompts, 6)
-    finally:
-        engine.shutdown(5)
+    got = _run(engine, prompts, 6)
     assert [t for t, _ in got] == _expected(cfg, params, prompts, 6)
     cached = [c for _, c in got]
     assert cached[0] == 0 and cached[-1] == 40  # the repeat restores the snapshot at 40 and runs 41..43
@@ -154,11 +151,7 @@ def test_eviction_and_rebuild_equal_generate(model):
     engine = Engine(cfg, params, max_batch=1, max_len=40, page_size=K, num_pages=21, prefill_chunk=16,
                     prefix_cache=True, prefix_cache_gb=2.5 * row / 1e9)
     assert engine.prefix_bytes == 2 * row and engine.prefix_bytes <= 2.5 * row
-    engine.start()
-    try:
-        got = _run(engine, prompts, 5)
-    finally:
-        engine.shutdown(5)
+    got = _run(engine, prompts, 5)
     assert [t for t, _ in got] == _expected(cfg, params, prompts, 5)
     stats = engine.stats()
     assert stats["prefix_page_evictions"] > 0 and stats["prefix_snapshot_evictions"] > 0
