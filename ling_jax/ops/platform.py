@@ -18,16 +18,41 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 GPU_PLATFORMS = ("cuda", "rocm")
 
 
+def _running() -> tuple[str, ...]:
+    """The PLATFORMS names of the default backend."""
+    backend = jax.default_backend()
+    return GPU_PLATFORMS if backend == "gpu" else (backend,)
+
+
 def on_platform(make: Callable[[str], Callable[..., Any]], *args: Any) -> Any:
     """`make(p)(*args)` for the lowering platform p in PLATFORMS (any other lowers the "cpu" form).
-    Forms that are the same object share one branch."""
+    Forms that are the same object share one branch.
+
+    Every branch is traced. A form whose arguments its platform refuses (a ValueError while tracing:
+    e.g. kernel tiles the TPU cannot take) raises if that is the default backend's platform; on any
+    other platform it lowers the "cpu" form (the kernels interpreted) instead, so arguments valid where
+    the program runs never fail for a platform it is not run on."""
+    running = _running()
+
+    def guarded(p: str, form: Callable[..., Any]) -> Callable[..., Any]:
+        if p in running or p == "cpu":
+            return form
+
+        def branch(*a: Any) -> Any:
+            try:
+                return form(*a)
+            except ValueError:
+                return forms["cpu"](*a)
+
+        return branch
+
     forms: dict[str, Callable[..., Any]] = {}
     made: list[tuple[Callable[..., Any], Callable[..., Any]]] = []  # (form, the first branch made of it)
     for p in PLATFORMS:
         form = make(p)
         same = next((branch for f, branch in made if f is form), None)
         if same is None:
-            made.append((form, form))
-            same = form
+            same = guarded(p, form)
+            made.append((form, same))
         forms[p] = same
     return jax.lax.platform_dependent(*args, default=forms["cpu"], **forms)
