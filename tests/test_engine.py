@@ -382,6 +382,7 @@ def test_speculative_seeded_sampling_and_logprobs(model):
         assert o.logprob == pytest.approx(lp[len(prompts[0]) - 1 + j, o.token_id], abs=1e-4)
 
 
+@pytest.mark.heavy  # 25-45 s on 2 cores (default suite kept under 20 min)
 def test_speculative_pages_follow_the_tokens_held(model):
     """With k drafts per call a decoding request holds the pages of its tokens and of the k positions a
     call may write past them, at most: between loop iterations ceil(length / K) <= pages <=

@@ -207,6 +207,7 @@ def test_prompt_logprobs_bypass_the_cache(model):
     assert again.cached_tokens == 20
 
 
+@pytest.mark.heavy  # 25-45 s on 2 cores (default suite kept under 20 min)
 def test_speculative_reuse_equals_generate(model):
     """With MTP speculation (k = 2), requests that reuse cached pages (their MTP rows with them) and
     snapshots (with the main hidden state at the boundary) at several depths, in chunks: before every
