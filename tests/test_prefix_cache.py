@@ -186,6 +186,23 @@ def test_a_request_waiting_for_pages_is_counted_once(model):
     assert (stats["prefix_hits"], stats["prefix_misses"], stats["prefix_cached_tokens"]) == (1, 1, 24)
 
 
+def test_a_miss_waiting_for_pages_is_admitted_later(model):
+    """Two prompts with nothing cached and a pool for one request: the second misses, waits for pages and
+    is admitted when the first ends; both give `generate`'s tokens."""
+    cfg, params = model
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, 27).tolist() for _ in range(2)]
+    engine = Engine(cfg, params, max_batch=2, max_len=40, page_size=K, num_pages=11, prefill_chunk=16,
+                    prefix_cache=True, prefix_cache_gb=0.01)
+    hs = [engine.submit(p, _greedy(12)) for p in prompts]
+    engine.start()
+    try:
+        assert [h.result() for h in hs] == _expected(cfg, params, prompts, 12)
+    finally:
+        engine.shutdown(5)
+    assert engine.stats()["prefix_misses"] == 2
+
+
 def test_prompt_logprobs_bypass_the_cache(model):
     """A request asking for prompt log-probabilities runs its whole prompt (cached_tokens 0) and gets
     one per prompt token; greedy tokens are the same either way."""

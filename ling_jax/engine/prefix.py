@@ -39,6 +39,10 @@ class Hit:
     pages: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None
 
+    def __bool__(self) -> bool:
+        """A miss (nothing reused) is false."""
+        return self.length > 0
+
 
 class PrefixIndex:
     """Host bookkeeping of cached pages and snapshots (module doc).
