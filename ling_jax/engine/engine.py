@@ -444,7 +444,8 @@ class Engine:
                 self.counters["prefill_chunks_total"] += 1
                 if self.prefix is not None:
                     self._cache_prefix(s)
-                out = jax.device_get(out)
+                if want_lp or s.decoding:  # a chunk in the middle of a prompt is not waited for
+                    out = jax.device_get(out)
                 if want_lp:
                     self._prompt_logprobs(s, start, n, out)
                 if s.decoding:
