@@ -145,7 +145,8 @@ def test_all_on_a_slice(tmp_path):
                   "--model-config", str(tiny_config_file(tmp_path / "m.json")), "--train-config",
                   str(tmp_path / "t.json"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
                   "--warmup-steps", "1", "--checkpoint-every", "1", "--eval-dtype", "float32",
-                  "--eval-seq-len", "64", "--eval-batch-size", "4"])
+                  "--eval-seq-len", "64", "--eval-batch-size", "4", "--spec-prompts", "2", "--spec-prompt-len", "3",
+                  "--spec-new-tokens", "5", "--spec-batch-sizes", "2"])
     assert rc == 0
     report = json.loads((out / "eval.json").read_text())
     assert [r["step"] for r in report["checkpoints"]] == [1, 2]
@@ -160,6 +161,13 @@ def test_all_on_a_slice(tmp_path):
     ex, src = report["exported"], best
     assert ex["main"]["tokens"] == src["main"]["tokens"] > 0
     assert abs(ex["main"]["loss"] - src["main"]["loss"]) < 0.01  # FP8 weights, nearly the same model
+    runs = report["speculative"]["runs"]
+    assert [(r["batch_size"], r["speculative_tokens"]) for r in runs] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    for r in runs:  # float32: speculation changes no greedy token
+        assert r["prompts"] == 2 and r["rows_equal_to_plain"] == 2 and r["output_tokens_per_s"] > 0
+        if r["speculative_tokens"]:
+            assert 1 <= r["mean_accepted_length"] <= r["speculative_tokens"] + 1
+            assert r["acceptance_rate"] == pytest.approx((r["mean_accepted_length"] - 1) / r["speculative_tokens"])
     metrics = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["mtp_loss"] > 0 for m in metrics)
 

@@ -29,13 +29,17 @@ runs every stage on a fresh machine with Python and this repository (no download
    t+1+j: the rate at which a greedy verifier accepts the layer's draft along the text). The
    held-out documents come from `read_documents_bin(DIR/corpus/heldout.bin)`, the form in which
    further measurements on them (speculative decoding's accepted length) read them too.
-5. `export`: a checkpoint as an HF directory (`DIR/model`: block-FP8 weights with the config's
+5. `speculate`: greedy generation on held-out prompts (the first `--spec-prompt-len` tokens of
+   held-out documents), without and with MTP speculation (k = 1, 2, 3) at each batch size of
+   `--spec-batch-sizes`: the mean accepted length and acceptance rate, output tokens/s and its
+   ratio to plain decoding on this machine, and how many rows' tokens equal plain decoding's.
+6. `export`: a checkpoint as an HF directory (`DIR/model`: block-FP8 weights with the config's
    `quantization_config`, plus the tokenizer files), which `load_hf_checkpoint`, `ling-generate`
    and `ling-convert` read.
 
 `all` evaluates every checkpoint the run kept, exports the one of least held-out loss to
-`DIR/model`, evaluates that export too (FP8 weights dequantized to `--eval-dtype`), and writes
-everything to `DIR/eval.json`. The `DIR/model` directory holds what
+`DIR/model`, evaluates that export too (FP8 weights dequantized to `--eval-dtype`), measures
+speculative decoding on it, and writes everything to `DIR/eval.json`. The `DIR/model` directory holds what
 `ling_jax/assets/text-model/` holds when the model ships there.
 
 `size` prints a config's parameter count and the exact bytes of its HF export in bfloat16 and
@@ -405,6 +409,81 @@ def eval_checkpoint(path: Path, heldout: Path, *, dtype: str, seq_len: int, batc
     return {"checkpoint": str(path), "dtype": dtype, "documents": len(docs), **res}
 
 
+def speculative_prompts(docs: Sequence[np.ndarray], n: int, prompt_len: int, new_tokens: int) -> list[np.ndarray]:
+    """The first `prompt_len` tokens of each of the first `n` documents (in their order) holding at least
+    `prompt_len + new_tokens` tokens: prompts whose continuation is real held-out text."""
+    out = [d[:prompt_len] for d in docs if d.size >= prompt_len + new_tokens][:n]
+    if not out:
+        raise TextModelError(f"no held-out document holds {prompt_len} + {new_tokens} tokens")
+    return out
+
+
+def speculative_eval(cfg: LingConfig, params: Params, prompts: Sequence[np.ndarray], *, new_tokens: int,
+                     ks: Sequence[int] = (1, 2, 3), batch_sizes: Sequence[int] = (1,)) -> dict[str, Any]:
+    """Greedy `generate` of `new_tokens` per prompt (never stopping early), without speculation and with
+    `speculative_tokens=k` for each k in `ks`, in batches of each size in `batch_sizes` (prompts in
+    order; a size larger than the prompts gives one batch of all): per (batch size, k) the mean accepted
+    length (tokens per row per verify step, 1 to k + 1) and acceptance rate over all batches, the rows
+    whose tokens equal the plain ones, and wall-clock output tokens/s (every shape compiled by an untimed
+    first batch; block until the tokens are on the host) with its ratio to plain decoding."""
+    import ling_jax
+
+    runs: list[dict[str, Any]] = []
+    for bs in batch_sizes:
+        batches = [list(prompts[i : i + bs]) for i in range(0, len(prompts), bs)]
+        plain: list[list[int]] = []
+        plain_rate = 0.0
+        for k in (0, *ks):
+            run = functools.partial(ling_jax.generate, cfg, params, max_new_tokens=new_tokens, stop_tokens=(),
+                                    speculative_tokens=k)
+            run(batches[0])  # compiles this batch shape (a smaller last batch compiles inside the clock)
+            toks: list[list[int]] = []
+            sums = {"row_steps": 0, "accepted_drafts": 0}
+            t0 = time.perf_counter()
+            for b in batches:
+                st: dict[str, Any] = {}
+                toks += run(b, stats=st)
+                for key in sums if k else ():
+                    sums[key] += st[key]
+            seconds = time.perf_counter() - t0
+            if k == 0:
+                plain, plain_rate = toks, sum(map(len, toks)) / seconds
+            r: dict[str, Any] = {"batch_size": len(batches[0]), "speculative_tokens": k, "prompts": len(toks),
+                                 "new_tokens": new_tokens, "seconds": seconds,
+                                 "output_tokens_per_s": sum(map(len, toks)) / seconds,
+                                 "rows_equal_to_plain": sum(a == b for a, b in zip(toks, plain, strict=True))}
+            if k:
+                rs, acc = sums["row_steps"], sums["accepted_drafts"]
+                r.update(mean_accepted_length=(rs + acc) / rs, acceptance_rate=acc / (k * rs),
+                         speedup=r["output_tokens_per_s"] / plain_rate)
+            runs.append(r)
+    return {"runs": runs}
+
+
+def speculative_checkpoint(path: Path, heldout: Path, *, dtype: str, prompts: int, prompt_len: int,
+                           new_tokens: int, batch_sizes: Sequence[int]) -> dict[str, Any]:
+    """`speculative_eval` of the checkpoint at `path` on prompts from the documents of `heldout` (.bin)."""
+    cfg, params = load_model(path, dtype)
+    if not cfg.num_nextn_predict_layers:
+        raise TextModelError(f"{path}: the model has no MTP layer to draft with")
+    ps = speculative_prompts(read_documents_bin(heldout), prompts, prompt_len, new_tokens)
+    res = speculative_eval(cfg, params, ps, new_tokens=new_tokens, batch_sizes=batch_sizes)
+    return {"checkpoint": str(path), "dtype": dtype, "prompt_len": prompt_len, "device": jax.devices()[0].device_kind,
+            **res}
+
+
+def speculative_summary(res: dict[str, Any]) -> str:
+    lines = []
+    for r in res["runs"]:
+        s = (f"batch {r['batch_size']} k={r['speculative_tokens']}: {r['output_tokens_per_s']:.1f} tok/s, "
+             f"{r['rows_equal_to_plain']}/{r['prompts']} rows equal to plain")
+        if r["speculative_tokens"]:
+            s += (f", accepted length {r['mean_accepted_length']:.3f}, acceptance {100 * r['acceptance_rate']:.1f}%,"
+                  f" {r['speedup']:.2f}x plain")
+        lines.append(s)
+    return "\n".join(lines)
+
+
 def summary(res: dict[str, Any]) -> str:
     m = res["main"]
     s = f"loss {m['loss']:.4f} (ppl {m['perplexity']:.2f}, top-1 {100 * m['top1']:.1f}%)"
@@ -481,6 +560,13 @@ def _parser() -> argparse.ArgumentParser:
                           ("--warmup-steps", int), ("--checkpoint-every", int)):
             p.add_argument(flag, type=typ, help=f"default {TRAIN_DEFAULTS[flag[2:].replace('-', '_')]}")
 
+    def spec_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--spec-dtype", default="float32", choices=("bfloat16", "float32"))
+        p.add_argument("--spec-prompts", type=int, default=16, help="held-out prompts (default 16)")
+        p.add_argument("--spec-prompt-len", type=int, default=128)
+        p.add_argument("--spec-new-tokens", type=int, default=128)
+        p.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 16])
+
     def eval_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--eval-dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--eval-seq-len", type=int, default=TRAIN_DEFAULTS["seq_len"])
@@ -499,6 +585,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", type=Path, required=True, help="heldout.bin of the corpus stage")
     p.add_argument("--json", type=Path, help="write the results here")
     eval_args(p)
+    p = add("speculate", "greedy generate on held-out prompts with and without MTP speculation (k = 1, 2, 3): "
+            "accepted length, tokens/s, equality to plain decoding -> printed and --json")
+    p.add_argument("--checkpoint", type=Path, required=True)
+    p.add_argument("--heldout", type=Path, required=True, help="heldout.bin of the corpus stage")
+    p.add_argument("--json", type=Path, help="write the results here")
+    spec_args(p)
     p = add("export", "an Orbax checkpoint -> HF directory OUT (block-FP8 where the config quantizes) with the "
             "tokenizer.json and the tokenizer_config.json beside it", "OUT", tokenizer=True)
     p.add_argument("--checkpoint", type=Path, required=True)
@@ -509,6 +601,7 @@ def _parser() -> argparse.ArgumentParser:
     corpus_args(p)
     train_args(p)
     eval_args(p)
+    spec_args(p)
     p = add("size", "parameter count and exact HF export bytes (bfloat16, block-FP8) of a config")
     p.add_argument("--model-config", type=Path, help=f"HF config.json (default: configs/{PRESET}.json)")
     return ap
@@ -534,6 +627,14 @@ def _tokenizer_stage(out: Path, stdlib: Path | None, heldout_fraction: float, vo
     tok = train_tokenizer(read_documents(root, files), vocab_size)
     write_tokenizer(tok, out, LingConfig.preset(PRESET).max_position_embeddings)
     return out / "tokenizer.json"
+
+
+def _speculate_stage(checkpoint: Path, heldout: Path, args: argparse.Namespace) -> dict[str, Any]:
+    res = speculative_checkpoint(checkpoint, heldout, dtype=args.spec_dtype, prompts=args.spec_prompts,
+                                 prompt_len=args.spec_prompt_len, new_tokens=args.spec_new_tokens,
+                                 batch_sizes=args.spec_batch_sizes)
+    _log(f"speculative decoding ({args.spec_dtype}, {res['device']}):\n{speculative_summary(res)}")
+    return res
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
@@ -564,8 +665,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     exported = ev(model_dir)
     size = dir_bytes(model_dir)
     _log(f"exported step {best['step']} -> {model_dir} ({size:,} bytes): {summary(exported)}")
+    spec = _speculate_stage(model_dir, heldout, args)
     report = {"best_step": best["step"], "model_dir": str(model_dir), "model_dir_bytes": size,
-              "exported": exported, "checkpoints": results, "train_options": opts,
+              "exported": exported, "speculative": spec, "checkpoints": results, "train_options": opts,
               "corpus": {k: {x: v for x, v in s.items() if x != "files"} for k, s in manifest["splits"].items()},
               "python": manifest["python"], "seconds": time.perf_counter() - t0}
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -590,6 +692,10 @@ def main(argv: list[str] | None = None) -> int:
             res = eval_checkpoint(args.checkpoint, args.heldout, dtype=args.eval_dtype, seq_len=args.eval_seq_len,
                                   batch_size=args.eval_batch_size)
             print(json.dumps(res, indent=2))
+            if args.json is not None:
+                args.json.write_text(json.dumps(res, indent=2) + "\n")
+        elif args.cmd == "speculate":
+            res = _speculate_stage(args.checkpoint, args.heldout, args)
             if args.json is not None:
                 args.json.write_text(json.dumps(res, indent=2) + "\n")
         elif args.cmd == "export":
