@@ -178,7 +178,8 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
     if prompt_logprobs:
         lp_C, ids_Cn, lps_Cn = logprobs(lm_head(cfg, params, h_CD), targets_C, TOP_LOGPROBS)
         out.update(prompt_logprob=lp_C, prompt_top_ids=ids_Cn, prompt_top_logprobs=lps_Cn)
-    return {**cache, **place({"segments": segs, "lengths": lengths})}, {**staged, **place(staged)}, drafting, out
+    return ({**cache, **place({"segments": segs, "lengths": lengths})}, _placed(staged),
+            place_drafting(drafting) if drafting is not None else None, out)
 
 
 def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Cache, h_CD: jax.Array,
@@ -197,6 +198,20 @@ def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Ca
     return {"pages": pages, "hidden": drafting["hidden"].at[slot, 0].set(h_D)}, {**staging, "hidden": h_D[None]}
 
 
+def place_drafting(drafting: Drafting) -> Drafting:
+    """The drafting state laid out on the context mesh (identity without one): the MTP pool whole, as
+    the main pools; the hidden states [B, k + 1, D] with the rows."""
+    return {"pages": constrain(drafting["pages"], "mla_pages"), "hidden": constrain(drafting["hidden"], "act_btd")}
+
+
+def _placed(cache: Cache, store: bool = False) -> Cache:
+    """`cache.place` of a staging cache or snapshot store, its "hidden" rows (where it has them) whole."""
+    out = {**cache, **place(cache, store=store)}
+    if "hidden" in cache:
+        out["hidden"] = constrain(cache["hidden"], "replicated")
+    return out
+
+
 def empty(shapes: Cache, extra: dict[str, jax.Array] | None = None, *, tokens: bool = False,
           store: bool = False) -> Cache:
     """Zeros of the paged cache `shapes` (`cache.paged_cache_shapes`) laid out by the sharding table on
@@ -206,7 +221,7 @@ def empty(shapes: Cache, extra: dict[str, jax.Array] | None = None, *, tokens: b
     outputs."""
 
     def build() -> Cache:
-        zeros = {**place(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), store=store), **(extra or {})}
+        zeros = _placed({**jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), **(extra or {})}, store)
         if tokens:
             zeros["tokens"] = constrain(jnp.zeros(shapes["lengths"].shape, jnp.int32), "cache_rows")
         return zeros
@@ -347,7 +362,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
         lp, ids, lps = logprobs(logits_BTV.reshape(b * t, -1), tokens.reshape(-1), TOP_LOGPROBS)
         out.update(logprob=lp.reshape(b, t), top_ids=ids.reshape(b, t, -1), top_logprobs=lps.reshape(b, t, -1))
     hidden = jnp.where(active_B[:, None, None], h_BTD.astype(drafting["hidden"].dtype), drafting["hidden"])
-    return {**cache, **place({"segments": segs, "lengths": lengths + advance})}, {"pages": pages, "hidden": hidden}, out
+    return ({**cache, **place({"segments": segs, "lengths": lengths + advance})},
+            place_drafting({"pages": pages, "hidden": hidden}), out)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -357,7 +373,7 @@ def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -
     staging cache of a prompt being prefilled), laid out as a store (`cache.place(.., store=True)`:
     rows whole, so a row moves alone)."""
     out = _copy_row(store, source, row, dst)
-    return {**out, **place(out, store=True)}
+    return _placed(out, store=True)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -365,4 +381,4 @@ def restore_snapshot(staging: Cache, store: Cache, row: jax.Array) -> Cache:
     """The staging cache holding snapshot `row`'s KDA states and conv windows (and hidden state) (a
     prompt continuing a cached prefix), laid out as a cache (`cache.place`)."""
     out = _copy_row(staging, store, row, jnp.int32(0))
-    return {**out, **place(out)}
+    return _placed(out)

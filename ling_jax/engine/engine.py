@@ -174,9 +174,9 @@ class Engine:
             self.drafting: device.Drafting | None = None
             if self.spec:
                 width = config.kv_lora_rank + config.qk_rope_head_dim
-                self.drafting = _committed(jax.jit(lambda: {
+                self.drafting = _committed(jax.jit(lambda: device.place_drafting({
                     "pages": jnp.zeros((self.num_pages, page_size, width), dtype),
-                    "hidden": jnp.zeros((max_batch, self.spec + 1, config.hidden_size), dtype)})())
+                    "hidden": jnp.zeros((max_batch, self.spec + 1, config.hidden_size), dtype)}))())
         self.cache_bytes = nbytes(shapes) + (nbytes(self.drafting) if self.drafting is not None else 0)
         self.forced_drafts: dict[str, np.ndarray] = {}
         self.snapshot_pages = snapshot_pages
