@@ -50,6 +50,7 @@ of the real writer).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import hashlib
 import json
@@ -637,6 +638,13 @@ def _speculate_stage(checkpoint: Path, heldout: Path, args: argparse.Namespace) 
     return res
 
 
+def _provenance() -> dict[str, Any]:
+    """Where and when a report was made: device, versions, date, command line."""
+    dev = jax.devices()[0]
+    return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
+
+
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     """The `all` command: every stage into `args.out`; returns what it writes to `eval.json`."""
     out: Path = args.out
@@ -669,7 +677,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     report = {"best_step": best["step"], "model_dir": str(model_dir), "model_dir_bytes": size,
               "exported": exported, "speculative": spec, "checkpoints": results, "train_options": opts,
               "corpus": {k: {x: v for x, v in s.items() if x != "files"} for k, s in manifest["splits"].items()},
-              "python": manifest["python"], "seconds": time.perf_counter() - t0}
+              "python": manifest["python"], "seconds": time.perf_counter() - t0, **_provenance()}
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     _log(f"done in {report['seconds']:.1f} s -> {out / 'eval.json'}")
     return report
