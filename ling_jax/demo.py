@@ -7,6 +7,10 @@
 4. loads the Orbax checkpoint with `load_checkpoint` and generates for a batch of prompts
    (jitted prefill + decode loop over the latent/state caches);
 5. runs a few `ling-train` steps from that checkpoint on a small synthetic corpus;
+6. loads the text model that ships in `ling_jax/assets/text-model/` (a Ling-3-shaped model trained on
+   the CPython standard library's sources by `python -m train.text_model all`, block-FP8) and
+   continues a few lines of Python with it, greedy, without and with MTP speculation (the same
+   tokens; the mean accepted length per verify step);
 printing what each step did. Exits 2 on a usage error, 1 when a step fails (`ling_jax.cli`).
 """
 
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
-    """The five steps of the module doc into `out`; the exit status."""
+    """The six steps of the module doc into `out`; the exit status."""
     import jax
     import numpy as np
 
@@ -72,7 +76,7 @@ def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
     for own in (hf_dir, orbax_dir, out / "train"):  # a previous demo's outputs; nothing else in --out
         shutil.rmtree(own, ignore_errors=True)
     n_mla = sum(m == "mla" for m, _ in cfg.layer_kinds)
-    print(f"[1/5] random {args.preset} model: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
+    print(f"[1/6] random {args.preset} model: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - n_mla} KDA, "
           f"{n_mla} MLA), {cfg.num_experts} experts, {cfg.num_nextn_predict_layers} MTP layer(s) -> {hf_dir}")
     quant = QuantConfig(block_size=(32, 32), exclusions=LING_FP8_EXCLUSIONS)
     save_hf_checkpoint(cfg, init_params(cfg, seed=args.seed), hf_dir, quantization=quant, max_shard_bytes=256 << 10)
@@ -83,7 +87,7 @@ def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
     cfg, params = ling_jax.load_hf_checkpoint(hf_dir, dtype="bfloat16")
     ids = jax.random.randint(jax.random.key(args.seed), (2, 32), 0, cfg.vocab_size)
     logits = jax.block_until_ready(ling_jax.forward(cfg, params, ids))
-    print(f"[2/5] load_hf_checkpoint ({sum(x.size for x in jax.tree.leaves(params)):,} params, FP8 dequantized) "
+    print(f"[2/6] load_hf_checkpoint ({sum(x.size for x in jax.tree.leaves(params)):,} params, FP8 dequantized) "
           f"+ forward {tuple(ids.shape)} -> {tuple(logits.shape)} {logits.dtype} on {jax.devices()[0].platform} "
           f"in {time.perf_counter() - t0:.1f} s (compilation included)")
     if not np.isfinite(np.asarray(logits)).all():
@@ -91,7 +95,7 @@ def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
 
     t0 = time.perf_counter()
     convert_hf_to_orbax(hf_dir, orbax_dir, dtype="bfloat16")
-    print(f"[3/5] ling-convert {hf_dir} -> {orbax_dir} (bfloat16) in {time.perf_counter() - t0:.1f} s")
+    print(f"[3/6] ling-convert {hf_dir} -> {orbax_dir} (bfloat16) in {time.perf_counter() - t0:.1f} s")
 
     cfg, params = ling_jax.load_checkpoint(orbax_dir)
     prompts = [ids[0, :20].tolist(), ids[1, :7].tolist(), ids[1, 7:19].tolist()]
@@ -101,7 +105,7 @@ def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
     t1 = time.perf_counter()
     outs = ling_jax.generate(cfg, params, prompts, **kw)
     t2 = time.perf_counter()
-    print(f"[4/5] load_checkpoint + generate: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, greedy, "
+    print(f"[4/6] load_checkpoint + generate: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, greedy, "
           f"{sum(map(len, outs))} new tokens in {1e3 * (t2 - t1):.0f} ms warm ({t1 - t0:.1f} s with compilation)")
     for i, o in enumerate(outs):
         print(f"      [{i}] {o}")
@@ -114,11 +118,42 @@ def _run(args: argparse.Namespace, cfg: Any, out: Path) -> int:
             for s, n in zip(rng.integers(0, 64, 200), rng.integers(6, 30, 200), strict=True)]
     corpus = out / "corpus.bin"
     np.asarray([t for d in docs for t in d], np.uint32).tofile(corpus)
-    print(f"[5/5] ling-train --init orbax:{orbax_dir} on {corpus} ({corpus.stat().st_size // 4:,} tokens), "
+    print(f"[5/6] ling-train --init orbax:{orbax_dir} on {corpus} ({corpus.stat().st_size // 4:,} tokens), "
           f"{args.train_steps} steps")
     rc = train_main(["--init", f"orbax:{orbax_dir}", "--data", str(corpus), "--out", str(out / "train"),
                      "--steps", str(args.train_steps), "--batch-size", "4", "--seq-len", "64", "--lr", "3e-3"])
-    return rc
+    return rc or _text_model()
+
+
+TEXT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef read_lines(path):\n", "class Stack:\n")
+
+
+def _text_model() -> int:
+    """Step 6 of the module doc; the exit status."""
+    import jax
+    from tokenizers import Tokenizer
+
+    import ling_jax
+
+    model = Path(__file__).resolve().parent / "assets" / "text-model"
+    t0 = time.perf_counter()
+    cfg, params = ling_jax.load_hf_checkpoint(model, dtype="float32")
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    print(f"[6/6] the shipped text model ({model}): {n:,} params, {cfg.num_hidden_layers} layers, vocabulary "
+          f"{cfg.vocab_size}, loaded in {time.perf_counter() - t0:.1f} s; greedy continuations, float32:")
+    prompts = [tok.encode(p, add_special_tokens=False).ids for p in TEXT_PROMPTS]
+    plain = ling_jax.generate(cfg, params, prompts, max_new_tokens=40)
+    stats: dict[str, Any] = {}
+    spec = ling_jax.generate(cfg, params, prompts, max_new_tokens=40, speculative_tokens=2, stats=stats)
+    for p, o in zip(TEXT_PROMPTS, plain, strict=True):
+        print("      " + (p + tok.decode(o)).replace("\n", "\n      "))
+    same = sum(a == b for a, b in zip(plain, spec, strict=True))
+    print(f"      with speculative_tokens=2 (the MTP layer drafts 2, one call verifies 3): {same}/{len(prompts)} "
+          f"continuations identical, {stats['mean_accepted_length']:.2f} tokens per verify step")
+    if same != len(prompts):
+        return fail(PROG, "speculative decoding changed a greedy continuation", EXIT_FAILURE)
+    return 0
 
 
 if __name__ == "__main__":

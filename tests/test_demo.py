@@ -33,7 +33,8 @@ def test_runs_end_to_end_and_keeps_other_files(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     assert main(["--out", str(out), "--train-steps", "1"]) == 0
     log = capsys.readouterr().out
-    assert all(f"[{i}/5]" in log for i in range(1, 6)) and "at step 1" in log
+    assert all(f"[{i}/6]" in log for i in range(1, 7)) and "at step 1" in log
+    assert "3/3 continuations identical" in log  # the shipped text model, with and without speculation
     assert (out / "notes.txt").read_text() == "mine"  # not the demo's: left alone
     assert not (out / "orbax" / "stale").exists()  # the demo's own output: replaced
     assert (out / "train" / "checkpoints" / "1").is_dir() and (out / "hf-fp8" / "config.json").is_file()

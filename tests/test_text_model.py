@@ -194,6 +194,22 @@ def test_bad_input(tmp_path, capsys, case, msg):
     assert msg in err and err.count("\n") == 1, err
 
 
+def test_shipped_model_loads_and_speculates_exactly():
+    """The model that ships in ling_jax/assets/text-model/ is the `text-model` preset in block-FP8 with the
+    shipped tokenizer, and continues held-out-like text with the same greedy tokens with and without
+    speculation."""
+    cfg, params = ling_jax.load_hf_checkpoint(tm.ASSETS, dtype="float32")
+    want = LingConfig.preset(tm.PRESET)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (want.hidden_size, want.num_hidden_layers,
+                                                                        want.vocab_size)
+    assert SafetensorsDir(tm.ASSETS).dtype_name("model.layers.1.mlp.experts.0.up_proj.weight") == "F8_E4M3"
+    tok = tm.load_tokenizer(tm.TOKENIZER)
+    ids = [np.asarray(tok.encode(t, add_special_tokens=False).ids) for t in ("import sys\n", "def main():\n")]
+    res = tm.speculative_eval(cfg, params, ids, new_tokens=8, ks=(2,), batch_sizes=(2,))
+    assert all(r["rows_equal_to_plain"] == 2 for r in res["runs"])
+    assert res["runs"][1]["mean_accepted_length"] > 1  # a trained MTP layer's drafts are accepted
+
+
 @pytest.mark.heavy
 def test_all_on_the_standard_library(tmp_path):
     """`all` on this interpreter's standard library with a toy-width model: the corpus is split as
