@@ -342,6 +342,7 @@ def test_speculative_tokens_equal_generate(model, k):
     assert stats["running"] == 0 and stats["pages_used"] == 0 and engine.pool.reserved == 0
 
 
+@pytest.mark.heavy  # 40-70 s on 2 cores; generate's seeded speculation is covered by the default suite
 def test_speculative_seeded_sampling_and_logprobs(model):
     """With speculation, seeded sampled requests beside greedy ones (in one call, with other seeds
     and filters) draw `generate(..., speculative_tokens=2, seed=...)`'s tokens of their prompt alone;

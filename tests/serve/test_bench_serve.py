@@ -15,6 +15,7 @@ from tests.serve.harness import make_engine, serve
 pytest_plugins = ["tests.serve.fixtures"]  # the fixtures: model, tokenizer, servers
 
 
+@pytest.mark.heavy  # a benchmark tool's run (default suite kept well under 20 min on 2 cores)
 def test_in_process_engine_against_static(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "4",
@@ -57,6 +58,7 @@ def _prompt_tokens(convs) -> int:
     return total
 
 
+@pytest.mark.heavy  # a benchmark tool's run (default suite kept well under 20 min on 2 cores)
 def test_multi_turn_shared_prefix_cache_on_against_off(tmp_path):
     """Conversations of 3 turns whose first prompts share 8 tokens, with the prefix cache on and then
     off in one run: every turn is sent with the conversation so far, the cache serves part of the
@@ -95,6 +97,7 @@ def test_shared_prefix_through_the_server(tmp_path, server):
     assert r["prefix"]["cached_prompt_tokens"] >= 3 * 12 and r["prefix"]["requests_with_hit"] >= 3
 
 
+@pytest.mark.heavy  # a benchmark tool's run (default suite kept well under 20 min on 2 cores)
 def test_step_timing(tmp_path):
     """--step-timing: the engine's step with every slot busy and decode_loop's, at the same batch and
     context, from runs of `steps` and twice as many steps (rounded up to whole decode calls)."""
