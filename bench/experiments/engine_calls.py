@@ -17,37 +17,23 @@ With `--profile`, where the 512-token chunk and the one-step decode call spend t
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from bench.common import machine, random_params, write_json
+from bench.common import machine, median_time, random_params, write_json
 from bench.device_profile import device_profile, print_profile
 from ling_jax.config import LingConfig
 from ling_jax.decode.step import prefill
 from ling_jax.engine import Engine, device
 from ling_jax.kernels import select
 from ling_jax.params import init_params
-
-
-def timed(fn: Any, reps: int) -> float:
-    """Median seconds of `reps` synchronised calls of fn(), after one untimed call."""
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -82,7 +68,7 @@ def main() -> None:
         return out
 
     for c in args.chunks:
-        s = timed(lambda c=c: chunk(c), args.reps)
+        s = median_time(lambda c=c: chunk(c), reps=args.reps)
         result["prefill_chunk"][str(c)] = {"ms": 1e3 * s, "tokens_per_s": c / s}
         print(f"prefill chunk {c:5d}: {1e3 * s:8.2f} ms, {c / s:10.0f} tokens/s", flush=True)
 
@@ -92,7 +78,7 @@ def main() -> None:
         return out
 
     for steps in sorted({1, args.decode_steps}):
-        s = timed(lambda steps=steps: decode(steps), args.reps)
+        s = median_time(lambda steps=steps: decode(steps), reps=args.reps)
         result["decode_call"][str(steps)] = {"ms": 1e3 * s, "ms_per_step": 1e3 * s / steps}
         print(f"decode call of {steps} steps at batch {args.batch}: {1e3 * s:8.2f} ms ({1e3 * s / steps:.2f} ms/step)",
               flush=True)
@@ -103,8 +89,8 @@ def main() -> None:
             ids = jnp.ones((rows, c), jnp.int32)
             lengths = jnp.full((rows,), c, jnp.int32)
             try:
-                s = timed(lambda ids=ids, lengths=lengths, c=c: prefill(cfg, kernels, params, ids, lengths, c),
-                          args.reps)
+                s = median_time(lambda ids=ids, lengths=lengths, c=c: prefill(cfg, kernels, params, ids, lengths, c),
+                                reps=args.reps)
             except Exception as e:  # e.g. out of memory at the largest batch
                 print(f"batch prefill {rows} x {c}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
