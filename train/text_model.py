@@ -447,16 +447,16 @@ def speculative_eval(cfg: LingConfig, params: Params, prompts: Sequence[np.ndarr
                 for key in sums if k else ():
                     sums[key] += st[key]
             seconds = time.perf_counter() - t0
+            rate = sum(map(len, toks)) / seconds
             if k == 0:
-                plain, plain_rate = toks, sum(map(len, toks)) / seconds
+                plain, plain_rate = toks, rate
             r: dict[str, Any] = {"batch_size": len(batches[0]), "speculative_tokens": k, "prompts": len(toks),
-                                 "new_tokens": new_tokens, "seconds": seconds,
-                                 "output_tokens_per_s": sum(map(len, toks)) / seconds,
-                                 "rows_equal_to_plain": sum(a == b for a, b in zip(toks, plain, strict=True))}
+                                 "new_tokens": new_tokens, "seconds": seconds, "output_tokens_per_s": rate,
+                                 "rows_equal_to_plain": sum(x == y for x, y in zip(toks, plain, strict=True))}
             if k:
                 rs, acc = sums["row_steps"], sums["accepted_drafts"]
                 r.update(mean_accepted_length=(rs + acc) / rs, acceptance_rate=acc / (k * rs),
-                         speedup=r["output_tokens_per_s"] / plain_rate)
+                         speedup=rate / plain_rate)
             runs.append(r)
     return {"runs": runs}
 
