@@ -383,6 +383,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--speculative-tokens", type=int, default=0)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the engine's largest prompt chunk per call")
+    ap.add_argument("--prefill-rows", type=int, default=1, help="the most prompts one engine prefill call runs")
     ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
     ap.add_argument("--prefix-cache", action="store_true", help="the in-process engine with its prefix cache")
     work = ap.add_argument_group("prefix-cache workloads")
@@ -442,8 +443,10 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     if args.step_timing and (args.static or args.compare_prefix_cache or args.multi_turn > 1 or args.shared_prefix):
         ap.error("--step-timing runs no workload: without --static, --compare-prefix-cache, --multi-turn, "
                  "--shared-prefix")
-    if args.shared_prefix < 0 or min(args.multi_turn, args.decode_steps, args.prefill_chunk, args.step_reps) < 1:
-        ap.error("--shared-prefix must be >= 0, --multi-turn, --decode-steps, --prefill-chunk and --step-reps >= 1")
+    if args.shared_prefix < 0 or min(args.multi_turn, args.decode_steps, args.prefill_chunk, args.prefill_rows,
+                                     args.step_reps) < 1:
+        ap.error("--shared-prefix must be >= 0, --multi-turn, --decode-steps, --prefill-chunk, --prefill-rows and "
+                 "--step-reps >= 1")
     try:
         prompt_len, output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     except ValueError as e:
@@ -500,7 +503,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         options = dict(max_batch=args.max_batch or concurrency or 8, page_size=args.page_size,
                        max_len=args.max_len or -(-longest // args.page_size) * args.page_size,
                        speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps,
-                       prefill_chunk=args.prefill_chunk)
+                       prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
         load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
         runs = [("engine", args.prefix_cache or args.compare_prefix_cache)]
         if args.compare_prefix_cache:

@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=64, help="tokens per latent-cache page")
     ap.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which new ones get 503")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the largest prompt chunk prefilled in one call")
+    ap.add_argument("--prefill-rows", type=int, default=1, help="the most prompts one prefill call runs a chunk of")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per call while no request waits")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every serving shape before listening (--no-warmup: as requests need them)")
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     for name, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
                              ("--max-len", args.max_len, 2), ("--page-size", args.page_size, 1),
                              ("--max-waiting", args.max_waiting, 0), ("--prefill-chunk", args.prefill_chunk, 1),
+                             ("--prefill-rows", args.prefill_rows, 1),
                              ("--decode-steps", args.decode_steps, 1),
                              ("--speculative-tokens", args.speculative_tokens, 0)):
         if value < low:
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
             cfg, params, max_batch=args.max_batch, max_len=args.max_len, page_size=args.page_size, mesh=mesh,
             speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache,
             prefix_cache_gb=args.prefix_cache_gb, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-            decode_steps=args.decode_steps)
+            prefill_rows=args.prefill_rows, decode_steps=args.decode_steps)
         if args.warmup:
             print(f"{_PROG}: compiling the serving shapes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()

@@ -69,16 +69,20 @@ def _serve(engine):
     return engine
 
 
-@pytest.mark.parametrize("n,concurrency", [(24, 8), pytest.param(200, 32, marks=pytest.mark.heavy)])
-def test_tokens_equal_generate_under_concurrency(model, n, concurrency):
+@pytest.mark.parametrize("n,concurrency,rows", [(24, 8, 1), (24, 8, 3),
+                                               pytest.param(200, 32, 1, marks=pytest.mark.heavy),
+                                               pytest.param(200, 32, 4, marks=pytest.mark.heavy)])
+def test_tokens_equal_generate_under_concurrency(model, n, concurrency, rows):
     """Requests of random lengths from more clients than slots, greedy with ignore_eos: each one's tokens
     are `generate`'s for its prompt alone. Prompts longer than a chunk are prefilled in several chunks
-    between other requests' decode steps; slots and pages are reused."""
+    between other requests' decode steps, the chunks of up to `rows` prompts in one call; slots and
+    pages are reused."""
     cfg, params = model
     rng = np.random.default_rng(n)
     prompts = _prompts(rng, cfg, n, 1, 90)
     max_tokens = [int(m) for m in rng.integers(1, 20, n)]
-    engine = _serve(Engine(cfg, params, max_batch=8, max_len=128, page_size=16, prefill_chunk=32, decode_steps=4))
+    engine = _serve(Engine(cfg, params, max_batch=8, max_len=128, page_size=16, prefill_chunk=32, decode_steps=4,
+                           prefill_rows=rows))
     try:
         got = _concurrent(engine, prompts, max_tokens, concurrency)
         stats = engine.stats()
@@ -87,6 +91,8 @@ def test_tokens_equal_generate_under_concurrency(model, n, concurrency):
     assert got == _reference(cfg, params, prompts, max_tokens)
     assert stats["running"] == 0 and stats["pages_used"] == 0 and stats["requests_total"] == n
     assert stats["generation_tokens_total"] == sum(max_tokens)
+    if rows > 1:  # some calls ran several prompts' chunks
+        assert stats["prefill_calls_total"] < stats["prefill_chunks_total"]
 
 
 def test_golden_greedy_tokens(golden_a):
@@ -150,14 +156,15 @@ def test_pages_follow_the_tokens_held(model):
 
 
 @pytest.mark.parametrize("logprobs", [True, False])
-@pytest.mark.parametrize("k", [0, 2], ids=["plain", "speculative"])
-def test_no_compiles_after_warmup(model, k, logprobs):
+@pytest.mark.parametrize("k,rows", [(0, 1), (2, 1), (0, 3)], ids=["plain", "speculative", "prefill-rows"])
+def test_no_compiles_after_warmup(model, k, rows, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
     sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities (plain
-    decoding, and k drafts per speculative call)."""
+    decoding, and k drafts per speculative call); with several prompts per prefill call, prompt
+    log-probabilities among them."""
     cfg, params = model
     engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4,
-                    speculative_tokens=k)
+                    speculative_tokens=k, prefill_rows=rows)
     engine.warmup(logprobs=logprobs)
     compiles = []
 

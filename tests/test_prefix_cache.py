@@ -94,17 +94,19 @@ def test_logprobs_equal_the_cache_off(model):
             np.testing.assert_allclose([v for _, v in a.top_logprobs], [v for _, v in b.top_logprobs], atol=1e-5)
 
 
-def test_sharing_under_concurrency_equals_generate(model):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_sharing_under_concurrency_equals_generate(model, rows):
     """Many clients whose prompts share a few system prefixes (some of them long enough to be
-    prefilled in several chunks), with more clients than slots: every request's tokens are
-    `generate`'s; after they finish no page is read by anyone and the pool holds only cached pages."""
+    prefilled in several chunks), with more clients than slots, `rows` prompts per prefill call at
+    most: every request's tokens are `generate`'s; after they finish no page is read by anyone and the
+    pool holds only cached pages."""
     cfg, params = model
     rng = np.random.default_rng(1)
     systems = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 30, 52)]
     prompts = [systems[i % 3] + rng.integers(0, cfg.vocab_size, int(rng.integers(1, 9))).tolist() for i in range(18)]
     n = [int(m) for m in rng.integers(1, 10, len(prompts))]
     engine = Engine(cfg, params, max_batch=4, max_len=80, page_size=K, prefill_chunk=16, decode_steps=3,
-                    prefix_cache=True, prefix_cache_gb=0.01, snapshot_pages=3)
+                    prefix_cache=True, prefix_cache_gb=0.01, snapshot_pages=3, prefill_rows=rows)
     engine.start()
     results: list = [None] * len(prompts)
     nxt = iter(range(len(prompts)))
@@ -225,7 +227,8 @@ def test_prompt_logprobs_bypass_the_cache(model):
 
 
 @pytest.mark.heavy  # 25-45 s on 2 cores (default suite kept under 20 min)
-def test_speculative_reuse_equals_generate(model):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_speculative_reuse_equals_generate(model, rows):
     """With MTP speculation (k = 2), requests that reuse cached pages (their MTP rows with them) and
     snapshots (with the main hidden state at the boundary) at several depths, in chunks: before every
     speculative call each decoding row's MTP rows of the positions before its last accepted tokens are
@@ -255,7 +258,7 @@ def test_speculative_reuse_equals_generate(model):
             return super()._speculate(want_lp, table, active)
 
     engine = Checked(cfg, params, max_batch=2, max_len=bucket - k, page_size=K, prefill_chunk=8, prefix_cache=True,
-                     prefix_cache_gb=0.01, snapshot_pages=2, speculative_tokens=k)
+                     prefix_cache_gb=0.01, snapshot_pages=2, speculative_tokens=k, prefill_rows=rows)
     got = {}
     for mode in ("greedy", "sampled"):
         sampling = [SamplingParams(max_tokens=7, ignore_eos=True, **({"temperature": 1.0, "seed": i}

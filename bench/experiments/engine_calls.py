@@ -6,11 +6,12 @@
 An `Engine` (Ling-3.0-tiny shape, random bf16 weights, `--batch` slots, `--max-len`), not started:
 its compiled functions called directly on its own cache. Timed (median of `--reps` synchronised
 calls after one that compiles):
-- `device.prefill_chunk` of one fresh prompt chunk of each `--chunks` length into slot 0;
+- `device.prefill_chunk` in each shape an engine of `--prefill-chunk` and `--prefill-rows` compiles
+  (`Engine.prefill_shapes`: prompts x chunk), the prompts' first chunks (slots 0, 1, ...);
 - `device.decode_steps` of 1 and `--decode-steps` steps over every slot;
-- `decode.prefill` (what static `generate` runs) of `--batch` rows of each `--chunks` length, and
-  of one row: tokens/s of the batch form against the engine's one-row chunk.
-With `--profile`, where the 512-token chunk and the one-step decode call spend their device time
+- `decode.prefill` (what static `generate` runs) of `--batch` rows of each `--batch-chunks` length, and
+  of one row: tokens/s of the batch form against the engine's prefill calls.
+With `--profile`, where the largest prefill call and the one-step decode call spend their device time
 (`bench.device_profile`, the top kernels).
 """
 
@@ -41,7 +42,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=2560)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="the engine's largest prefill chunk")
+    ap.add_argument("--batch-chunks", type=int, nargs="+", default=[512], help="`decode.prefill` lengths timed")
+    ap.add_argument("--prefill-rows", type=int, default=8, help="prompts per engine prefill call (and 1)")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
@@ -50,29 +53,32 @@ def main() -> None:
     preset = "debug" if args.smoke else "ling-3.0-tiny"
     cfg = LingConfig.preset(preset)
     if args.smoke:
-        args.batch, args.max_len, args.chunks, args.reps = 4, 128, [16, 32], 2
+        args.batch, args.max_len, args.prefill_chunk, args.batch_chunks, args.reps, args.prefill_rows = \
+            4, 128, 32, [32], 2, 2
         params = init_params(cfg, seed=0, dtype="float32")
     else:
         params = random_params(cfg, jnp.bfloat16)
-    engine = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=max(args.chunks),
-                    decode_steps=args.decode_steps)
-    table = np.arange(1, engine.max_pages + 1, dtype=np.int32)  # slot 0 holds the first pages
+    engine = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    prefill_rows=args.prefill_rows, decode_steps=args.decode_steps)
+    tables = 1 + np.arange(args.batch * engine.max_pages, dtype=np.int32).reshape(args.batch, -1)  # slot b's pages
     result: dict[str, Any] = {**machine(), "preset": preset, "batch": args.batch, "max_len": args.max_len,
-                              "reps": args.reps, "prefill_chunk": {}, "decode_call": {}, "batch_prefill": {}}
+                              "reps": args.reps, "prefill_call": {}, "decode_call": {}, "batch_prefill": {}}
 
-    def chunk(c: int) -> Any:
+    def chunk(rows: int, c: int) -> Any:
+        """A prefill call of the first chunk (c tokens) of `rows` prompts, in slots 0 .. rows - 1."""
+        r = np.arange(rows, dtype=np.int32)
         engine.cache, engine.staging, engine.drafting, out = device.prefill_chunk(
-            cfg, engine.k_prefill, False, engine.params, engine.cache, engine.staging, engine.drafting, table,
-            np.int32(0), np.ones(c, np.int32), np.int32(0), np.int32(c), np.zeros(c, np.int32),
-            np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
+            cfg, engine.k_prefill, False, engine.params, engine.cache, engine.staging, engine.drafting,
+            tables[:rows], r, r, np.ones((rows, c), np.int32), np.zeros(rows, np.int32), np.full(rows, c, np.int32),
+            np.zeros((rows, c), np.int32), np.zeros((rows, *engine._key_shape), np.uint32),
+            np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32))
         return out
 
-    for c in args.chunks:
-        s = median_time(lambda c=c: chunk(c), reps=args.reps)
-        result["prefill_chunk"][str(c)] = {"ms": 1e3 * s, "tokens_per_s": c / s}
-        print(f"prefill chunk {c:5d}: {1e3 * s:8.2f} ms, {c / s:10.0f} tokens/s", flush=True)
+    for rows, c in engine.prefill_shapes:
+        s = median_time(lambda rows=rows, c=c: chunk(rows, c), reps=args.reps)
+        result["prefill_call"][f"{rows}x{c}"] = {"ms": 1e3 * s, "tokens_per_s": rows * c / s}
+        print(f"prefill call {rows:3d} x {c:5d}: {1e3 * s:8.2f} ms, {rows * c / s:10.0f} tokens/s", flush=True)
 
-    tables = np.tile(table, (args.batch, 1))
     def decode(steps: int) -> Any:
         engine.cache, out = engine._decode(steps, False, tables, np.zeros(args.batch, bool))
         return out
@@ -84,7 +90,7 @@ def main() -> None:
               flush=True)
 
     kernels = select(cfg, dtype=params["embed"].dtype, inference=True)
-    for c in args.chunks:
+    for c in args.batch_chunks:
         for rows in (1, args.batch):
             ids = jnp.ones((rows, c), jnp.int32)
             lengths = jnp.full((rows,), c, jnp.int32)
@@ -99,9 +105,9 @@ def main() -> None:
 
     if args.profile:
         with tempfile.TemporaryDirectory() as d:
-            c = 512 if 512 in args.chunks else args.chunks[0]
-            print(f"profile: prefill chunk {c}", flush=True)
-            result["profile_chunk"] = p = device_profile(lambda: chunk(c), d + "/chunk", calls=3)
+            rows, c = engine.prefill_shapes[-1]
+            print(f"profile: prefill call {rows} x {c}", flush=True)
+            result["profile_chunk"] = p = device_profile(lambda: chunk(rows, c), d + "/chunk", calls=3)
             print_profile(p)
             print("profile: decode call of 1 step", flush=True)
             result["profile_decode"] = p = device_profile(lambda: decode(1), d + "/decode", calls=3)

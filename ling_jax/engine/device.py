@@ -9,10 +9,11 @@ page table[t // K], row t % K. Page 0 is never handed out: a free slot's table p
 its decode writes land there harmlessly. The engine's cache adds "tokens" [B] int32: each row's last
 token sampled by a decode call, the next call's input (`decode_steps`).
 
-A prompt's chunks carry its KDA state and windows from chunk to chunk in a one-row staging cache
-(`paged_cache_shapes(cfg, 1, 1, page_size)`), not in its slot: decode steps run every slot, and would
-advance the state of a slot still in its prompt. The last chunk writes the prompt's state into the
-slot (JetStream's prefill, then insert); the chunks' latents go straight to the slot's pages.
+A prefill call runs a chunk of each of R prompts ([R, C] tokens). A prompt's chunks carry its KDA
+state and windows from chunk to chunk in a row of its own in a staging cache
+(`paged_cache_shapes(cfg, rows, 1, page_size)`), not in its slot: decode steps run every slot, and
+would advance the state of a slot still in its prompt. The last chunk writes the prompt's state into
+the slot (JetStream's prefill, then insert); the chunks' latents go straight to the slot's pages.
 
 Speculative decoding (`speculative_step`, the engine's `speculative_tokens=k`) adds a drafting state
 (`Drafting`): the MTP layer's latent pool {"pages": [P, K, W]} and per slot the main model's
@@ -61,15 +62,19 @@ def _batch_axis(name: str, leaf: jax.Array) -> int:
     return leaf.ndim - {"state": 4, "conv": 3}[name]
 
 
-def _chunk_caches(cache: Cache, staging: Cache, page_table_N: jax.Array, fresh: jax.Array) -> list[Any]:
-    """The per-layer caches a prefill chunk continues from: the staging row's KDA states and windows
-    [.., 1, ..] (zeros where `fresh`: a prompt's first chunk) and, per MLA layer, the latent rows of the
-    slot's pages [.., 1, N * K, W] (gathered, in position order)."""
+def _chunk_caches(cache: Cache, staging: Cache, page_table_RN: jax.Array, srow_R: jax.Array,
+                  fresh_R: jax.Array) -> list[Any]:
+    """The per-layer caches a prefill call's rows continue from: row r's KDA states and windows from
+    staging row srow_R[r] [.., R, ..] (zeros where fresh_R[r]: a prompt's first chunk) and, per MLA
+    layer, the latent rows of its slot's pages [.., R, N * K, W] (gathered, in position order)."""
 
     def take(path: Any, leaf: jax.Array, staged: jax.Array) -> jax.Array:
         if path[-1].key == "pages":
-            return gather_pages(leaf, page_table_N[None])
-        return jnp.where(fresh, jnp.zeros_like(staged), staged)
+            return gather_pages(leaf, page_table_RN)
+        axis = _batch_axis(path[-1].key, staged)
+        rows = jnp.take(staged, srow_R, axis=axis, mode="clip")
+        fresh = fresh_R.reshape((1,) * axis + (-1,) + (1,) * (staged.ndim - axis - 1))
+        return jnp.where(fresh, jnp.zeros_like(rows), rows)
 
     return _as_latent(jax.tree_util.tree_map_with_path(take, cache["segments"], staging["segments"]))
 
@@ -97,19 +102,21 @@ def write_pages(pool: jax.Array, rows_BTW: jax.Array, page_table_BN: jax.Array, 
     return pool.at[(*lead, page, pos_BT % page_size)].set(rows_BTW.astype(pool.dtype), mode="drop")
 
 
-def _write_back(cache: Cache, new: list[Any], slot: jax.Array, page_table_N: jax.Array | None = None,
-                start: jax.Array | None = None, n_valid: jax.Array | None = None) -> list[Any]:
-    """The cache's segments with the chunk's new KDA states and windows in `slot`, and (given the page
-    table) its latent rows (positions start .. start + n_valid - 1) written into the slot's pages."""
+def _write_back(cache: Cache, new: list[Any], rows_R: jax.Array, page_table_RN: jax.Array | None = None,
+                start_R: jax.Array | None = None, n_valid_R: jax.Array | None = None) -> list[Any]:
+    """The cache's segments with row r of a call's new KDA states and windows in its row rows_R[r] (rows
+    out of range are dropped) and, given the page tables, its latent rows (positions start_R[r] ..
+    start_R[r] + n_valid_R[r] - 1) written into its pages."""
 
     def put(path: Any, leaf: jax.Array, upd: jax.Array) -> jax.Array:
         name = path[-1].key
-        if name == "pages" and page_table_N is None:
+        if name == "pages" and page_table_RN is None:
             return leaf
-        if name == "pages":  # upd: the chunk's rows [*lead, 1, C, W]; pads dropped
-            i_1C = jnp.arange(upd.shape[-2])[None]
-            return write_pages(leaf, upd, page_table_N[None], start + i_1C, i_1C < n_valid)
-        return jax.lax.dynamic_update_slice_in_dim(leaf, upd.astype(leaf.dtype), slot, axis=_batch_axis(name, leaf))
+        if name == "pages":  # upd: the call's rows [*lead, R, C, W]; pads dropped
+            i_RC = start_R[:, None] + jnp.arange(upd.shape[-2])[None]
+            return write_pages(leaf, upd, page_table_RN, i_RC, i_RC < (start_R + n_valid_R)[:, None])
+        index = (slice(None),) * _batch_axis(name, leaf) + (rows_R,)
+        return leaf.at[index].set(upd.astype(leaf.dtype), mode="drop")
 
     new = jax.tree.map(lambda c: {"pages": c["latent"]} if "latent" in c else c, new,
                        is_leaf=lambda c: isinstance(c, dict) and ("latent" in c or "state" in c))
@@ -118,84 +125,96 @@ def _write_back(cache: Cache, new: list[Any], slot: jax.Array, page_table_N: jax
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
 def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, params: Params, cache: Cache,
-                  staging: Cache, drafting: Drafting | None, page_table_N: jax.Array, slot: jax.Array,
-                  ids_C: jax.Array, start: jax.Array, n_valid: jax.Array, targets_C: jax.Array, key: jax.Array,
-                  temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array) -> tuple[Cache, Cache, Drafting | None, dict[str, jax.Array]]:
-    """Runs ids_C[:n_valid] at positions start .. start + n_valid - 1 of the prompt in `slot`,
-    continuing its earlier chunks (KDA state and windows in `staging`, from zero where start == 0;
-    MLA latents in the slot's pages: page_table_N must name pages for every position up to
-    start + n_valid): (cache with the chunk's latents in the slot's pages, its KDA state and windows in
-    the slot and its length start + n_valid; the staging cache with the state and windows; the
-    drafting state; outputs).
+                  staging: Cache, drafting: Drafting | None, page_table_RN: jax.Array, slot_R: jax.Array,
+                  srow_R: jax.Array, ids_RC: jax.Array, start_R: jax.Array, n_valid_R: jax.Array,
+                  targets_RC: jax.Array, key_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
+                  top_p_R: jax.Array) -> tuple[Cache, Cache, Drafting | None, dict[str, jax.Array]]:
+    """A prefill chunk of R prompts at once. Row r runs ids_RC[r, :n_valid_R[r]] at positions
+    start_R[r] .. start_R[r] + n_valid_R[r] - 1 of the prompt in slot slot_R[r], continuing its earlier
+    chunks (KDA state and windows in staging row srow_R[r], from zero where start == 0; MLA latents in
+    the slot's pages: page_table_RN[r] must name pages for every position up to start + n_valid). A row
+    with n_valid 0 is padding: it writes nothing. Returns (cache with the chunks' latents in the slots'
+    pages, their KDA states and windows in the slots and their lengths start + n_valid; the staging
+    cache with the states and windows in the rows' staging rows; the drafting state; outputs).
 
-    With `drafting` (speculative decoding, module doc; None: without) the chunk also writes the MTP
+    With `drafting` (speculative decoding, module doc; None: without) a row also writes the MTP
     layer's rows of positions start - 1 .. start + n_valid - 2 (each needs the next token, so a chunk's
     last position waits for the next chunk, the prompt's last for the first new token), from the main
-    hidden state at start - 1 that `staging["hidden"]` carries; `staging["hidden"]` and the slot's
-    drafting hidden row 0 take the last valid position's.
+    hidden state at start - 1 that its staging row's "hidden" carries; that and the slot's drafting
+    hidden row 0 take the last valid position's.
 
-    Outputs: "token" the next token sampled from the last valid position's logits (as `sample`, with
-    `key` (key data) and token index 0; with `drafting`, `speculative_loop`'s first token: key
-    fold_in(key, 0), purpose TOKEN) — the request's first new token when this is its prompt's last
-    chunk; "logprob" / "top_ids" / "top_logprobs" of that token ([], [n], [n]) and, with
-    `prompt_logprobs`, per position i < n_valid the log-probability of targets_C[i] (the prompt's next
-    token) and the top tokens ("prompt_logprob" [C], "prompt_top_ids" / "prompt_top_logprobs" [C, n]).
-    The MLA layers attend over the slot's cached rows and the chunk in the absorbed form.
+    Outputs per row: "token" [R] the next token sampled from the last valid position's logits (as
+    `sample`, with key data key_R[r] and token index 0; with `drafting`, `speculative_loop`'s first
+    token: key fold_in(key, 0), purpose TOKEN) — the request's first new token when this is its
+    prompt's last chunk; "logprob" / "top_ids" / "top_logprobs" of that token ([R], [R, n], [R, n]) and,
+    with `prompt_logprobs`, per position i < n_valid the log-probability of targets_RC[r, i] (the
+    prompt's next token) and the top tokens ("prompt_logprob" [R, C], "prompt_top_ids" /
+    "prompt_top_logprobs" [R, C, n]). The MLA layers attend over each slot's cached rows and its chunk
+    in the absorbed form.
     """
-    c = ids_C.shape[0]
-    valid_1C = (jnp.arange(c) < n_valid)[None]
-    positions_1C = (start + jnp.arange(c))[None]
-    ctx = make_context(cfg, ids_C[None], attention_mask=valid_1C, positions=positions_1C)
-    caches = _chunk_caches(cache, staging, page_table_N, start == 0)
-    past = page_table_N.shape[0] * cache_page_size(cache)
+    r, c = ids_RC.shape
+    valid_RC = jnp.arange(c)[None] < n_valid_R[:, None]
+    positions_RC = start_R[:, None] + jnp.arange(c)[None]
+    ctx = make_context(cfg, ids_RC, attention_mask=valid_RC, positions=positions_RC)
+    caches = _chunk_caches(cache, staging, page_table_RN, srow_R, start_R == 0)
+    past = page_table_RN.shape[1] * cache_page_size(cache)
     # MLA: every cached position before `start`, then the chunk as the sequence forms mask it
-    mask_1CS = jnp.concatenate([jnp.broadcast_to(jnp.arange(past) < start, (1, c, past)), ctx.mask_BTS], axis=-1)
+    cached_RCS = jnp.broadcast_to((jnp.arange(past)[None] < start_R[:, None])[:, None], (r, c, past))
+    mask_RCS = jnp.concatenate([cached_RCS, ctx.mask_BTS], axis=-1)
 
     def layer(p, x, lim, cache_l, mixer, ffn):
         def mix(pa, h):
             if mixer == "kda":
-                return kda_mixer(pa, h, cfg=cfg, kernels=kernels, valid_BT=valid_1C, cache=cache_l)
-            return mla_mixer(pa, h, cfg=cfg, kernels=kernels, cos=ctx.cos, sin=ctx.sin, mask_BTS=mask_1CS,
+                return kda_mixer(pa, h, cfg=cfg, kernels=kernels, valid_BT=valid_RC, cache=cache_l)
+            return mla_mixer(pa, h, cfg=cfg, kernels=kernels, cos=ctx.cos, sin=ctx.sin, mask_BTS=mask_RCS,
                              absorbed=True, past_BSW=cache_l["latent"])
 
         x, new, _ = decoder_layer(p, x, lim, cfg=cfg, kernels=kernels, ffn=ffn, mix=mix)
         return x, new
 
-    x, new = run_stack(cfg, params, embed(params, ids_C[None]), layer, caches=caches)
-    segs = _write_back(cache, new, slot, page_table_N, start, n_valid)
-    staged = {**staging, "segments": _write_back(staging, new, jnp.int32(0))}
-    lengths = cache["lengths"].at[slot].set(start + n_valid)
-    h_CD = rms_norm(x[0], params["final_norm"], cfg.rms_norm_eps)
-    last_1V = lm_head(cfg, params, jnp.take(h_CD, n_valid - 1, axis=0)[None])
-    keys, step = jax.random.wrap_key_data(key[None]), jnp.int32(0)
+    x, new = run_stack(cfg, params, embed(params, ids_RC), layer, caches=caches)
+    real_R = n_valid_R > 0
+    slot_R = jnp.where(real_R, slot_R, cache["lengths"].shape[0])  # padding rows: out of range, dropped
+    srow_R = jnp.where(real_R, srow_R, staging["lengths"].shape[0])
+    segs = _write_back(cache, new, slot_R, page_table_RN, start_R, n_valid_R)
+    staged = {**staging, "segments": _write_back(staging, new, srow_R)}
+    lengths = cache["lengths"].at[slot_R].set(start_R + n_valid_R, mode="drop")
+    h_RCD = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    last_R = jnp.maximum(n_valid_R - 1, 0)
+    h_RD = jnp.take_along_axis(h_RCD, last_R[:, None, None], axis=1)[:, 0]
+    last_RV = lm_head(cfg, params, h_RD)
+    keys, step = jax.random.wrap_key_data(key_R), jnp.int32(0)
     if drafting is not None:
-        drafting, staged = _draft_rows(cfg, params, drafting, staged, h_CD, ids_C, page_table_N, slot, start, n_valid)
-        keys, step = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((1,), jnp.uint32)), jnp.int32(TOKEN)
-    token = sample(last_1V, keys, step, temperature, top_k, top_p)
-    lp, top_ids, top_lp = logprobs(last_1V, token, TOP_LOGPROBS)
-    out = {"token": token[0], "logprob": lp[0], "top_ids": top_ids[0], "top_logprobs": top_lp[0]}
+        drafting, staged = _draft_rows(cfg, params, drafting, staged, h_RCD, h_RD, ids_RC, page_table_RN, slot_R,
+                                       srow_R, start_R, n_valid_R)
+        keys, step = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((r,), jnp.uint32)), jnp.int32(TOKEN)
+    token = sample(last_RV, keys, step, temperature_R, top_k_R, top_p_R)
+    lp, top_ids, top_lp = logprobs(last_RV, token, TOP_LOGPROBS)
+    out = {"token": token, "logprob": lp, "top_ids": top_ids, "top_logprobs": top_lp}
     if prompt_logprobs:
-        lp_C, ids_Cn, lps_Cn = logprobs(lm_head(cfg, params, h_CD), targets_C, TOP_LOGPROBS)
-        out.update(prompt_logprob=lp_C, prompt_top_ids=ids_Cn, prompt_top_logprobs=lps_Cn)
+        lp_n, ids_nk, lps_nk = logprobs(lm_head(cfg, params, h_RCD.reshape(r * c, -1)), targets_RC.reshape(-1),
+                                        TOP_LOGPROBS)
+        out.update(prompt_logprob=lp_n.reshape(r, c), prompt_top_ids=ids_nk.reshape(r, c, -1),
+                   prompt_top_logprobs=lps_nk.reshape(r, c, -1))
     return ({**cache, **place({"segments": segs, "lengths": lengths})}, _placed(staged),
             place_drafting(drafting) if drafting is not None else None, out)
 
 
-def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Cache, h_CD: jax.Array,
-                ids_C: jax.Array, page_table_N: jax.Array, slot: jax.Array, start: jax.Array,
-                n_valid: jax.Array) -> tuple[Drafting, Cache]:
-    """A prefill chunk's MTP rows (`prefill_chunk`): MTP position start - 1 + i (inputs: the chunk's
+def _draft_rows(cfg: LingConfig, params: Params, drafting: Drafting, staging: Cache, h_RCD: jax.Array,
+                h_RD: jax.Array, ids_RC: jax.Array, page_table_RN: jax.Array, slot_R: jax.Array, srow_R: jax.Array,
+                start_R: jax.Array, n_valid_R: jax.Array) -> tuple[Drafting, Cache]:
+    """A prefill call's MTP rows (`prefill_chunk`): row r's MTP position start - 1 + i (inputs: its
     token i and the main hidden state one position before it) into page slot start + i, i < n_valid
-    (slot 0, position -1, has none); the last valid hidden state into `staging` and the slot's
-    drafting row 0."""
-    c = ids_C.shape[0]
-    slots_1C = (start + jnp.arange(c))[None]
-    rows = mtp_rows(cfg, params, ids_C[None], jnp.concatenate([staging["hidden"], h_CD[:-1]])[None], slots_1C - 1)
-    pages = write_pages(drafting["pages"], rows, page_table_N[None], slots_1C,
-                        (jnp.arange(c) < n_valid)[None] & (slots_1C > 0))
-    h_D = jnp.take(h_CD, n_valid - 1, axis=0)
-    return {"pages": pages, "hidden": drafting["hidden"].at[slot, 0].set(h_D)}, {**staging, "hidden": h_D[None]}
+    (slot 0, position -1, has none); its last valid hidden state h_RD[r] into its staging row and its
+    slot's drafting row 0 (`slot_R` / `srow_R` out of range for padding rows: dropped)."""
+    c = ids_RC.shape[1]
+    slots_RC = start_R[:, None] + jnp.arange(c)[None]
+    before_RD = jnp.take(staging["hidden"], srow_R, axis=0, mode="clip")
+    rows = mtp_rows(cfg, params, ids_RC, jnp.concatenate([before_RD[:, None], h_RCD[:, :-1]], axis=1), slots_RC - 1)
+    pages = write_pages(drafting["pages"], rows, page_table_RN, slots_RC,
+                        (jnp.arange(c)[None] < n_valid_R[:, None]) & (slots_RC > 0))
+    return ({"pages": pages, "hidden": drafting["hidden"].at[slot_R, 0].set(h_RD, mode="drop")},
+            {**staging, "hidden": staging["hidden"].at[srow_R].set(h_RD, mode="drop")})
 
 
 def place_drafting(drafting: Drafting) -> Drafting:
@@ -377,8 +396,8 @@ def save_snapshot(store: Cache, source: Cache, row: jax.Array, dst: jax.Array) -
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def restore_snapshot(staging: Cache, store: Cache, row: jax.Array) -> Cache:
-    """The staging cache holding snapshot `row`'s KDA states and conv windows (and hidden state) (a
-    prompt continuing a cached prefix), laid out as a cache (`cache.place`)."""
-    out = _copy_row(staging, store, row, jnp.int32(0))
+def restore_snapshot(staging: Cache, store: Cache, row: jax.Array, dst: jax.Array) -> Cache:
+    """The staging cache with its row `dst` holding snapshot `row`'s KDA states and conv windows (and
+    hidden state) (a prompt continuing a cached prefix), laid out as a cache (`cache.place`)."""
+    out = _copy_row(staging, store, row, dst)
     return _placed(out)

@@ -2,8 +2,9 @@
 
 A fixed number of slots (`max_batch`) share one compiled decode step. Requests wait in a queue and
 are admitted into free slots between steps; a slot's prompt is prefilled in chunks (at most
-`prefill_chunk` tokens per chunk and `token_budget` prompt tokens per loop iteration, so a long
-prompt never stalls the running requests for its whole prefill); then the slot decodes with the
+`prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
+`token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
+for its whole prefill); then the slot decodes with the
 others, several steps per host round trip while no request waits to start. Decode calls are
 pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the device)
 before the host reads the previous call's tokens, so delivering tokens, admitting and building page
@@ -35,7 +36,9 @@ admission reserves prompt + max_tokens + k. Shared prefix pages hold their MTP r
 on the page's prefix alone) and snapshots the main hidden state at their boundary, so a prefix hit
 needs nothing recomputed.
 
-Compiled shapes: prefill chunks in powers of two up to `prefill_chunk` (at least 16), decode calls of
+Compiled shapes: prefill calls of one prompt's chunk in powers of two up to `prefill_chunk` (at least
+16) and, with `prefill_rows` > 1, of `prefill_rows` prompts' chunks of `prefill_chunk` / 4 and
+`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), decode calls of
 1 and `decode_steps` steps (with speculation: the speculative call instead), each with and without
 log-probabilities; `warmup()` compiles them all, and serving never compiles afterwards.
 """
@@ -84,6 +87,7 @@ class _Slot:
     last: int = 0  # the last new token (the next decode step's input)
     order: int = 0  # admission order
     restore: int | None = None  # the prefix cache's snapshot row to start the prompt's prefill from
+    srow: int | None = None  # the staging row that carries its prompt between chunks, while it has one
     keys: list[bytes] = dataclasses.field(default_factory=list)  # the prompt's full pages' keys
     fresh: list[int] = dataclasses.field(default_factory=list)  # speculation: the tokens its last call accepted
 
@@ -119,9 +123,11 @@ class Engine:
     `config`, `params`: the model (params as loaded: float or FP8-resident, placed on `mesh` if
     given). `max_batch`: slots; `max_len`: the most tokens a request may hold (prompt + max_tokens);
     `page_size`: tokens per page; `num_pages`: the pool's size (default: enough for every slot at
-    `max_len`); `prefill_chunk`: the largest prefill chunk; `token_budget`: prompt tokens prefilled per
-    loop iteration (default `prefill_chunk`); `decode_steps`: decode steps per call while nothing
-    waits; `max_waiting`: queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
+    `max_len`); `prefill_chunk`: the largest prefill chunk; `prefill_rows`: the most prompts one
+    prefill call runs a chunk of (each holds a staging row of KDA state while in its prompt);
+    `token_budget`: prompt tokens prefilled per loop iteration (default `prefill_rows *
+    prefill_chunk`); `decode_steps`: decode steps per call while nothing waits; `max_waiting`:
+    queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
     every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
     `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc);
     `speculative_tokens`: k MTP drafts per speculative call (0: plain decoding; k > 0 needs an MTP
@@ -134,11 +140,13 @@ class Engine:
 
     def __init__(self, config: LingConfig, params: Params, *, max_batch: int = 8, max_len: int = 2048,
                  page_size: int = 64, num_pages: int | None = None, prefill_chunk: int = 512,
-                 token_budget: int | None = None, decode_steps: int = 8, max_waiting: int = 256, mesh: Any = None,
+                 prefill_rows: int = 1, token_budget: int | None = None, decode_steps: int = 8,
+                 max_waiting: int = 256, mesh: Any = None,
                  unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
                  prefix_cache_gb: float = 1.0, snapshot_pages: int = 32):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
-                               ("prefill_chunk", prefill_chunk, 1), ("decode_steps", decode_steps, 1),
+                               ("prefill_chunk", prefill_chunk, 1), ("prefill_rows", prefill_rows, 1),
+                               ("decode_steps", decode_steps, 1),
                                ("max_waiting", max_waiting, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name}={v!r} must be an integer >= {least}")
@@ -160,7 +168,12 @@ class Engine:
                              f"(needs {self.max_pages} pages + 1 kept back)")
         self.chunks = sorted({min(max(MIN_CHUNK, 1 << i), prefill_chunk)
                               for i in range(prefill_chunk.bit_length() + 1)})
-        self.token_budget = token_budget or self.chunks[-1]
+        self.prefill_rows = prefill_rows
+        self._key_shape = np.shape(jax.random.key_data(jax.random.key(0)))
+        # the compiled prefill calls (prompts, chunk): one prompt in every chunk bucket; several in two
+        self.prefill_shapes = [(1, c) for c in self.chunks] + [
+            (prefill_rows, c) for c in sorted({max(MIN_CHUNK, prefill_chunk // 4), prefill_chunk}) if prefill_rows > 1]
+        self.token_budget = token_budget or prefill_rows * self.chunks[-1]
         self.decode_steps, self.max_waiting, self.mesh = decode_steps, max_waiting, mesh
         self.eos = frozenset(config.eos_token_id)
         dtype = self.dtype = params["embed"].dtype
@@ -169,8 +182,10 @@ class Engine:
             self.k_decode: Kernels = select(config, dtype=dtype, decode=True, unroll=unroll_layers)
             self.params = jax.jit(fuse_for_decode, static_argnums=(0, 1))(config, self.k_decode, params)
             shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
-            staging = paged_cache_shapes(config, 1, 1, page_size, dtype)
-            self.cache, self.staging = device.empty(shapes, tokens=True), device.empty(staging, self._hidden(1))
+            staging = paged_cache_shapes(config, prefill_rows, 1, page_size, dtype)
+            self.cache = device.empty(shapes, tokens=True)
+            self.staging = device.empty(staging, self._hidden(prefill_rows))
+            self._free_srows = list(range(prefill_rows - 1, -1, -1))
             self.drafting: device.Drafting | None = None
             if self.spec:
                 width = config.kv_lora_rank + config.qk_rope_head_dim
@@ -183,7 +198,8 @@ class Engine:
         self.prefix: PrefixIndex | None = None
         self.prefix_bytes = 0
         if prefix_cache:
-            row_bytes = nbytes(_kda_leaves(staging)) + nbytes(self._hidden(1))
+            one_row = paged_cache_shapes(config, 1, 1, page_size, dtype)
+            row_bytes = nbytes(_kda_leaves(one_row)) + nbytes(self._hidden(1))
             rows = int(prefix_cache_gb * 1e9 // row_bytes)
             if rows < 1:
                 raise ValueError(f"prefix_cache_gb={prefix_cache_gb} holds no KDA snapshot ({row_bytes} bytes each)")
@@ -206,7 +222,7 @@ class Engine:
         self._admitted = 0
         self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool] | None = None  # the decode call running
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
-                         "prefill_chunks_total": 0, "decode_calls_total": 0}
+                         "prefill_chunks_total": 0, "prefill_calls_total": 0, "decode_calls_total": 0}
         if self.spec:
             self.counters.update(spec_verify_calls=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
@@ -294,13 +310,11 @@ class Engine:
         request that asks for them then compiles its shapes on first use."""
         variants = (False, True) if logprobs else (False,)
         with self._mesh():
-            table = np.zeros(self.max_pages, np.int32)
-            for c in self.chunks:
-                for lp in variants:
+            for rows, c in self.prefill_shapes:
+                for lp in variants if rows == 1 else (False,):
                     self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting, table,
-                        np.int32(0), np.zeros(c, np.int32), np.int32(0), np.int32(1), np.zeros(c, np.int32),
-                        np.zeros(2, np.uint32), np.float32(0), np.int32(0), np.float32(1))
+                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting,
+                        *self._prefill_args(rows, c, []))
             for steps in sorted({1, self.decode_steps}) if not self.spec else ():
                 for lp in variants:
                     self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32),
@@ -308,7 +322,7 @@ class Engine:
             for lp in variants if self.spec else ():
                 out = self._speculate(lp, np.zeros((self.max_batch, self.max_pages), np.int32), [])
             if self.prefix is not None:  # a round trip: the store is left as it was
-                self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0))
+                self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0), np.int32(0))
                 self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
             jax.block_until_ready(out)
         _key_data(0, np.zeros(1, np.int32))  # the requests' key derivation
@@ -411,46 +425,88 @@ class Engine:
         return row
 
     def _prefill(self) -> None:
-        """Prefill chunks of the slots still in their prompt, up to the token budget: one prompt at a time,
-        in the order of admission (the staging cache carries one prompt between its chunks)."""
+        """Prefill calls over the slots still in their prompt, up to the token budget: each call runs a
+        chunk of each of up to `prefill_rows` prompts, taken in the order of admission; a prompt holds a
+        staging row from its first chunk to its last (prompts wait for a free one), and a prompt that
+        asks for its log-probabilities runs alone."""
         budget = self.token_budget
+        while budget > 0:
+            group = self._prefill_group(budget)
+            if not group:
+                return
+            budget -= self._prefill_call(group)
+
+    def _prefill_group(self, budget: int) -> list[tuple[int, _Slot, int]]:
+        """The next prefill call's prompts: (slot index, slot, tokens of its chunk), within `budget`
+        tokens; each has a staging row (with a cached prefix's snapshot restored into it)."""
+        group: list[tuple[int, _Slot, int]] = []
         for i in sorted((i for i, s in enumerate(self.slots) if s is not None and not s.decoding),
                         key=lambda i: self.slots[i].order):
             s = self.slots[i]
-            while s is not None and not s.decoding and budget > 0:
-                n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1], self._to_snapshot(s))
-                if s.restore is not None:  # a cached prefix: its KDA state into the staging row
-                    self.staging = device.restore_snapshot(self.staging, self.store, np.int32(s.restore))
-                    with self._lock:
-                        self.prefix.restored(s.restore)
-                    s.restore = None
-                c = next(c for c in self.chunks if c >= n)
-                start = s.prefilled
-                self._pages_for(s, start + n)
-                ids = np.zeros(c, np.int32)
-                ids[:n] = s.prompt[start:start + n]
-                want_lp = s.handle.sampling.prompt_logprobs is not None
-                targets = np.zeros(c, np.int32)
-                nxt = s.prompt[start + 1:start + n + 1]
-                targets[:len(nxt)] = nxt
-                sp = s.handle.sampling
-                self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-                    self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self.drafting,
-                    self._table(s), np.int32(i), ids,
-                    np.int32(start), np.int32(n), targets, s.key, np.float32(sp.temperature),
-                    np.int32(min(sp.top_k, self.vocab_size)), np.float32(sp.top_p))
-                s.prefilled, s.length = start + n, start + n
-                budget -= n
-                self.counters["prefill_chunks_total"] += 1
-                if self.prefix is not None:
-                    self._cache_prefix(s)
-                if want_lp or s.decoding:  # a chunk in the middle of a prompt is not waited for
-                    out = jax.device_get(out)
-                if want_lp:
-                    self._prompt_logprobs(s, start, n, out)
-                if s.decoding:
-                    self._first_token(i, s, out)
-                s = self.slots[i]
+            alone = s.handle.sampling.prompt_logprobs is not None
+            if (alone and group) or (s.srow is None and not self._free_srows):
+                continue
+            if s.srow is None:
+                s.srow = self._free_srows.pop()
+            if s.restore is not None:  # a cached prefix: its KDA state into the staging row
+                self.staging = device.restore_snapshot(self.staging, self.store, np.int32(s.restore),
+                                                       np.int32(s.srow))
+                with self._lock:
+                    self.prefix.restored(s.restore)
+                s.restore = None
+            n = min(len(s.prompt) - s.prefilled, budget, self.chunks[-1], self._to_snapshot(s))
+            group.append((i, s, n))
+            budget -= n
+            if alone or len(group) == self.prefill_rows or budget == 0:
+                break
+        return group
+
+    def _prefill_args(self, rows: int, c: int, group: list[tuple[int, _Slot, int]]) -> list[np.ndarray]:
+        """`device.prefill_chunk`'s arguments after the caches for a call of `rows` prompts of chunk `c`
+        holding `group`'s chunks (the rest padding)."""
+        table = np.zeros((rows, self.max_pages), np.int32)
+        slot, srow = np.full(rows, self.max_batch, np.int32), np.full(rows, self.prefill_rows, np.int32)
+        ids, targets = np.zeros((rows, c), np.int32), np.zeros((rows, c), np.int32)
+        start, n_valid = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        keys = np.zeros((rows, *self._key_shape), np.uint32)
+        temp, top_k, top_p = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        for r, (i, s, n) in enumerate(group):
+            a = s.prefilled
+            self._pages_for(s, a + n)
+            table[r], slot[r], srow[r], start[r], n_valid[r], keys[r] = self._table(s), i, s.srow, a, n, s.key
+            ids[r, :n] = s.prompt[a:a + n]
+            nxt = s.prompt[a + 1:a + n + 1]
+            targets[r, :len(nxt)] = nxt
+            sp = s.handle.sampling
+            temp[r], top_k[r], top_p[r] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
+        return [table, slot, srow, ids, start, n_valid, targets, keys, temp, top_k, top_p]
+
+    def _prefill_call(self, group: list[tuple[int, _Slot, int]]) -> int:
+        """Runs one prefill call of `group` (`_prefill_group`) and delivers what it finished: the first
+        token of each prompt it completed, prompt log-probabilities. Returns the tokens it prefilled."""
+        rows, c = next((r, c) for r, c in self.prefill_shapes if r >= len(group) and c >= max(n for _, _, n in group))
+        want_lp = any(s.handle.sampling.prompt_logprobs is not None for _, s, _ in group)
+        self.cache, self.staging, self.drafting, out = device.prefill_chunk(
+            self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self.drafting,
+            *self._prefill_args(rows, c, group))
+        self.counters["prefill_calls_total"] += 1
+        self.counters["prefill_chunks_total"] += len(group)
+        starts = [s.prefilled for _, s, _ in group]
+        for _, s, n in group:
+            s.prefilled = s.length = s.prefilled + n
+            if self.prefix is not None:
+                self._cache_prefix(s)
+        if want_lp or any(s.decoding for _, s, _ in group):  # chunks in the middle of prompts are not waited for
+            out = jax.device_get(out)
+        for r, ((i, s, n), a) in enumerate(zip(group, starts, strict=True)):
+            row = {name: v[r] for name, v in out.items()}
+            if want_lp:
+                self._prompt_logprobs(s, a, n, row)
+            if s.decoding:
+                self._free_srows.append(s.srow)
+                s.srow = None
+                self._first_token(i, s, row)
+        return sum(n for _, _, n in group)
 
     def _to_snapshot(self, s: _Slot) -> int:
         """Prompt tokens up to the slot's next snapshot point (a chunk ends there), or no limit."""
@@ -472,7 +528,7 @@ class Engine:
             at_point = s.prefilled == last or s.prefilled % (self.snapshot_pages * self.page_size) == 0
             row = self.prefix.snapshot_row(s.keys[full - 1]) if full and at_point else None
         if row is not None:
-            self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(row))
+            self.store = device.save_snapshot(self.store, self.staging, np.int32(s.srow), np.int32(row))
 
     def _prompt_logprobs(self, s: _Slot, start: int, n: int, out: dict[str, np.ndarray]) -> None:
         """Records the log-probabilities of prompt tokens start + 1 .. start + n (the next ones) and,
@@ -626,6 +682,8 @@ class Engine:
         self.pool.give_back(self.prefix.release(s.pages) if self.prefix is not None else s.pages)
         if s.restore is not None:
             self.prefix.restored(s.restore)
+        if s.srow is not None:
+            self._free_srows.append(s.srow)
         self.pool.reserved -= s.reserved
         s.handle.finish(reason, error)  # type: ignore[arg-type]
 
