@@ -496,8 +496,9 @@ class Engine:
             s.prefilled = s.length = s.prefilled + n
             if self.prefix is not None:
                 self._cache_prefix(s)
-        if want_lp or any(s.decoding for _, s, _ in group):  # chunks in the middle of prompts are not waited for
-            out = jax.device_get(out)
+        if not want_lp and not any(s.decoding for _, s, _ in group):
+            return sum(n for _, _, n in group)  # chunks in the middle of prompts are not waited for
+        out = jax.device_get(out)
         for r, ((i, s, n), a) in enumerate(zip(group, starts, strict=True)):
             row = {name: v[r] for name, v in out.items()}
             if want_lp:
