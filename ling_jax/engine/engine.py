@@ -4,11 +4,12 @@ A fixed number of slots (`max_batch`) share one compiled decode step. Requests w
 are admitted into free slots between steps; a slot's prompt is prefilled in chunks (at most
 `prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
 `token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
-for its whole prefill); then the slot decodes with the
-others, several steps per host round trip while no request waits to start. Decode calls are
-pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the device)
-before the host reads the previous call's tokens, so delivering tokens, admitting and building page
-tables overlap the device's work; a request that ends within a call wastes at most the call after it.
+for its whole prefill); then the slot decodes with the others, `decode_steps` steps per host round
+trip while no request waits to start (one while any does). Decode calls are pipelined: the next call
+is dispatched (its input tokens the previous call's outputs, on the device) before the host reads the
+previous call's tokens, so delivering tokens, admitting and building page tables overlap the device's
+work; a request that ends within a call wastes the rest of it and at most the call after it (the
+steps past its `max_tokens` write the unshared rest of its last page or page 0: nothing reads them).
 A request leaves as soon as it finishes (a stop token, `max_tokens`, cancellation) and its slot and
 pages go to the next.
 
@@ -578,11 +579,12 @@ class Engine:
                   if s is not None and s.decoding and s.dispatched < s.handle.sampling.max_tokens]
         if active:
             busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
-            room = min(s.handle.sampling.max_tokens - s.dispatched for _, s in active)
-            steps = 1 if busy or room < self.decode_steps else self.decode_steps
+            # a call's steps stay within every row's page table (positions < max_pages * page_size)
+            roomy = all(s.length + self.decode_steps <= self.max_pages * self.page_size for _, s in active)
+            steps = self.decode_steps if roomy and not busy else 1
             table = np.zeros((self.max_batch, self.max_pages), np.int32)
-            for i, s in active:
-                self._pages_for(s, s.length + steps)
+            for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
+                self._pages_for(s, min(s.length + steps, len(s.prompt) + s.handle.sampling.max_tokens))
                 table[i] = self._table(s)
             follow = np.zeros(self.max_batch, bool)  # rows continuing from the call in flight
             for i, s in prev[1] if prev else ():
