@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--prefill-rows", type=int, default=8, help="prompts per engine prefill call (and 1)")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only-largest", action="store_true",
+                    help="only the largest prefill call of 1 and of --prefill-rows prompts; no decode calls")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="debug preset, small shapes (CPU check)")
     args = ap.parse_args()
@@ -74,7 +76,8 @@ def main() -> None:
             np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32))
         return out
 
-    for rows, c in engine.prefill_shapes:
+    shapes = [(1, args.prefill_chunk), engine.prefill_shapes[-1]] if args.only_largest else engine.prefill_shapes
+    for rows, c in shapes:
         s = median_time(lambda rows=rows, c=c: chunk(rows, c), reps=args.reps)
         result["prefill_call"][f"{rows}x{c}"] = {"ms": 1e3 * s, "tokens_per_s": rows * c / s}
         print(f"prefill call {rows:3d} x {c:5d}: {1e3 * s:8.2f} ms, {rows * c / s:10.0f} tokens/s", flush=True)
@@ -83,7 +86,7 @@ def main() -> None:
         engine.cache, out = engine._decode(steps, False, tables, np.zeros(args.batch, bool))
         return out
 
-    for steps in sorted({1, args.decode_steps}):
+    for steps in sorted({1, args.decode_steps}) if not args.only_largest else ():
         s = median_time(lambda steps=steps: decode(steps), reps=args.reps)
         result["decode_call"][str(steps)] = {"ms": 1e3 * s, "ms_per_step": 1e3 * s / steps}
         print(f"decode call of {steps} steps at batch {args.batch}: {1e3 * s:8.2f} ms ({1e3 * s / steps:.2f} ms/step)",
