@@ -129,6 +129,24 @@ def test_seeded_sampling_is_the_requests_own(model):
                                       top_p=0.9, seed=7, stop_tokens=())[0]
 
 
+def test_a_row_ending_mid_call_keeps_the_others_steps(model):
+    """While nothing waits, every decode call runs `decode_steps` steps, also where a row ends within
+    it: a request of 24 tokens beside one of 2 takes ceil(23 / 4) = 6 calls of 4 steps after its
+    first token (from its prefill), and both get `generate`'s tokens; the steps past the short one's
+    end (positions 7 .. 9 of a request that fills one page of 8) take no page beyond its reservation."""
+    cfg, params = model
+    engine = Engine(cfg, params, max_batch=2, max_len=64, page_size=8, prefill_chunk=16, decode_steps=4)
+    prompts = _prompts(np.random.default_rng(6), cfg, 2, 6, 7)
+    hs = [engine.submit(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, (2, 24),
+                                                                                          strict=True)]
+    while not all(h.finished for h in hs):
+        engine._iterate()
+        assert engine.pool.reserved >= 0 and all(s is None or s.reserved >= 0 for s in engine.slots)
+    assert [h.result() for h in hs] == _reference(cfg, params, prompts, [2, 24])
+    assert engine.counters["decode_calls_total"] == 6
+    assert engine.stats()["pages_used"] == 0 and engine.pool.reserved == 0
+
+
 def test_pages_follow_the_tokens_held(model):
     """Between loop iterations the pages in use are each running request's tokens rounded up to a page;
     a prompt longer than the token budget is prefilled in chunks while the running requests decode."""
