@@ -277,7 +277,9 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
     `summarize` of its requests, its size, its `stats()` and its start-up time."""
     t0 = time.perf_counter()
     engine = engine_cls(cfg, params, **options)
-    engine.warmup(logprobs=False)  # every serving shape these requests use (no log-probabilities)
+    engine.warmup(logprobs=False,  # every serving shape these requests use (no log-probabilities)
+                  progress=lambda done, total, name, s: print(f"{label}: {name} ({done}/{total}) {s:.1f} s",
+                                                              flush=True))
     engine.start()
     start_s = time.perf_counter() - t0  # construction and compilation
     print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         if args.warmup:
             print(f"{_PROG}: compiling the serving shapes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            engine.warmup()
+            engine.warmup(progress=lambda done, total, name, s: print(
+                f"{_PROG}: compiled {name} ({done}/{total}) in {s:.1f} s", file=sys.stderr, flush=True))
             print(f"{_PROG}: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         engine.start()
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:

@@ -183,7 +183,13 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     cfg, params = model
     engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4,
                     speculative_tokens=k, prefill_rows=rows)
-    engine.warmup(logprobs=logprobs)
+    shapes = []
+    engine.warmup(logprobs=logprobs, progress=lambda done, total, name, s: shapes.append((done, total, name)))
+    # one progress report per shape, in order: prefill calls (with and without log-probabilities where
+    # asked, several prompts' without), then the decode or speculative calls
+    n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)
+    assert [d for d, _, _ in shapes] == list(range(1, len(shapes) + 1))
+    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + (1 + logprobs) * (1 if k else 2)}
     compiles = []
 
     def listener(event, duration, **_):

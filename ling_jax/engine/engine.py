@@ -47,10 +47,11 @@ log-probabilities; `warmup()` compiles them all, and serving never compiles afte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -303,29 +304,49 @@ class Engine:
             return
         thread.join()
 
-    def warmup(self, *, logprobs: bool = True) -> None:
-        """Compiles every shape serving uses (each prefill chunk bucket and decode call, or with speculation
+    def warmup(self, *, logprobs: bool = True, progress: Callable[[int, int, str, float], None] | None = None) -> None:
+        """Compiles every shape serving uses (each prefill call shape and decode call, or with speculation
         the speculative call, with and, unless `logprobs` is False, without log-probabilities) on a
         scratch slot; nothing compiles after it.
         `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work; a
-        request that asks for them then compiles its shapes on first use."""
+        request that asks for them then compiles its shapes on first use. `progress(done, total, name,
+        seconds)` is called after each shape (compiled and run once)."""
         variants = (False, True) if logprobs else (False,)
+        zeros_table, none = np.zeros((self.max_batch, self.max_pages), np.int32), np.zeros(self.max_batch, bool)
+
+        def prefill(rows: int, c: int, lp: bool) -> Any:
+            self.cache, self.staging, self.drafting, out = device.prefill_chunk(
+                self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting,
+                *self._prefill_args(rows, c, []))
+            return out
+
+        def decode(steps: int, lp: bool) -> Any:
+            self.cache, out = self._decode(steps, lp, zeros_table, none)
+            return out
+
+        def snapshot_round_trip() -> Any:  # the store is left as it was
+            self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0), np.int32(0))
+            self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
+            return self.store
+
+        lp_name = {False: "", True: ", log-probabilities"}
+        shapes: list[tuple[str, Callable[[], Any]]] = [
+            (f"prefill {rows} x {c}{lp_name[lp]}", functools.partial(prefill, rows, c, lp))
+            for rows, c in self.prefill_shapes for lp in (variants if rows == 1 else (False,))]
+        if self.spec:
+            shapes += [(f"speculative step{lp_name[lp]}", functools.partial(self._speculate, lp, zeros_table, []))
+                       for lp in variants]
+        else:
+            shapes += [(f"decode {steps} step{'s' * (steps > 1)}{lp_name[lp]}", functools.partial(decode, steps, lp))
+                       for steps in sorted({1, self.decode_steps}) for lp in variants]
+        if self.prefix is not None:
+            shapes.append(("snapshot save and restore", snapshot_round_trip))
         with self._mesh():
-            for rows, c in self.prefill_shapes:
-                for lp in variants if rows == 1 else (False,):
-                    self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-                        self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting,
-                        *self._prefill_args(rows, c, []))
-            for steps in sorted({1, self.decode_steps}) if not self.spec else ():
-                for lp in variants:
-                    self.cache, out = self._decode(steps, lp, np.zeros((self.max_batch, self.max_pages), np.int32),
-                                                   np.zeros(self.max_batch, bool))
-            for lp in variants if self.spec else ():
-                out = self._speculate(lp, np.zeros((self.max_batch, self.max_pages), np.int32), [])
-            if self.prefix is not None:  # a round trip: the store is left as it was
-                self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0), np.int32(0))
-                self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
-            jax.block_until_ready(out)
+            for done, (name, run) in enumerate(shapes, 1):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                if progress is not None:
+                    progress(done, len(shapes), name, time.perf_counter() - t0)
         _key_data(0, np.zeros(1, np.int32))  # the requests' key derivation
 
     # ------------------------------------------------------------------------------------- loop

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,6 +51,7 @@ def test_help_does_not_import_jax():
     (["--max-batch", "0"], "--max-batch 0: must be >= 1"),
     (["--max-len", "1"], "--max-len 1: must be >= 2"),
     (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1"),
+    (["--prefill-rows", "0"], "--prefill-rows 0: must be >= 1"),
     (["--decode-steps", "0"], "--decode-steps 0: must be >= 1"),
     (["--prefix-cache-gb", "0"], "--prefix-cache-gb 0.0: must be > 0"),
     (["--shutdown-grace", "nan"], "--shutdown-grace nan"),
@@ -142,7 +144,10 @@ def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir, k):
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert len([i for e in events for i in e["choices"][0]["token_ids"]]) == 8
         assert [x for x in proc.stdout.read().splitlines() if x.startswith("ling-serve: ")] == ["ling-serve: stopped"]
-        assert "ling-serve: compiled in" in proc.stderr.read()
+        err = proc.stderr.read()  # each serving shape reported as it compiles, then the total
+        assert re.search(r"ling-serve: compiled prefill 1 x 16 \(1/\d+\) in [\d.]+ s", err), err
+        last = "speculative step" if k else "decode 1 step"
+        assert re.search(rf"ling-serve: compiled {last} \(\d+/\d+\)", err) and "ling-serve: compiled in" in err
     finally:
         if proc.poll() is None:
             proc.kill()
