@@ -454,3 +454,12 @@ def test_speculation_needs_an_mtp_layer():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="speculative_tokens=.* must be an integer >= 0"):
             Engine(cfg, params, max_batch=1, max_len=32, page_size=8, speculative_tokens=bad)
+
+
+def test_prefill_rows_are_checked(model):
+    """`prefill_rows` is an integer from 1 to `max_batch`: other values are refused with their reason."""
+    cfg, params = model
+    for bad, why in ((0, "prefill_rows=0 must be an integer >= 1"), (2.0, "prefill_rows=2.0 must be an integer"),
+                     (3, "prefill_rows=3 exceeds max_batch=2")):
+        with pytest.raises(ValueError, match=why):
+            Engine(cfg, params, max_batch=2, max_len=32, page_size=8, prefill_rows=bad)

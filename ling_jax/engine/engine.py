@@ -152,6 +152,9 @@ class Engine:
                                ("max_waiting", max_waiting, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name}={v!r} must be an integer >= {least}")
+        if prefill_rows > max_batch:
+            raise ValueError(f"prefill_rows={prefill_rows} exceeds max_batch={max_batch}: no more prompts than "
+                             f"slots can be in their prefill")
         if max_len > config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
         if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
