@@ -174,7 +174,8 @@ def test_pages_follow_the_tokens_held(model):
 
 
 @pytest.mark.parametrize("logprobs", [True, False])
-@pytest.mark.parametrize("k,rows", [(0, 1), (2, 1), (0, 3)], ids=["plain", "speculative", "prefill-rows"])
+@pytest.mark.parametrize("k,rows", [(0, 1), (2, 1), pytest.param(0, 3, marks=pytest.mark.heavy)],
+                         ids=["plain", "speculative", "prefill-rows"])
 def test_no_compiles_after_warmup(model, k, rows, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
     sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities (plain

@@ -94,7 +94,7 @@ def test_logprobs_equal_the_cache_off(model):
             np.testing.assert_allclose([v for _, v in a.top_logprobs], [v for _, v in b.top_logprobs], atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, pytest.param(3, marks=pytest.mark.heavy)])
 def test_sharing_under_concurrency_equals_generate(model, rows):
     """Many clients whose prompts share a few system prefixes (some of them long enough to be
     prefilled in several chunks), with more clients than slots, `rows` prompts per prefill call at
