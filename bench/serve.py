@@ -386,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-tokens", type=int, default=0)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the engine's largest prompt chunk per call")
     ap.add_argument("--prefill-rows", type=int, default=1, help="the most prompts one engine prefill call runs")
+    ap.add_argument("--compare-prefill-rows", type=int, default=None, metavar="R",
+                    help="in-process: the workload again with R prompts per prefill call, in this run (the weights "
+                         "and the compiled decode call shared; both in the JSON, with the ratios)")
     ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
     ap.add_argument("--prefix-cache", action="store_true", help="the in-process engine with its prefix cache")
     work = ap.add_argument_group("prefix-cache workloads")
@@ -438,13 +441,17 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         ap.error("--static needs an in-process model (--preset --random-weights or --checkpoint)")
     if args.url and not (args.preset or args.vocab_size):
         ap.error("--url needs --vocab-size (or --preset) to draw token ids")
-    if (args.compare_prefix_cache or args.step_timing) and not in_process:
-        ap.error("--compare-prefix-cache and --step-timing need an in-process engine")
+    compare_rows = args.compare_prefill_rows is not None
+    if (args.compare_prefix_cache or compare_rows or args.step_timing) and not in_process:
+        ap.error("--compare-prefix-cache, --compare-prefill-rows and --step-timing need an in-process engine")
+    if compare_rows and (args.compare_prefix_cache or args.compare_prefill_rows < 1):
+        ap.error("--compare-prefill-rows must be >= 1, and compares without --compare-prefix-cache")
     if args.static and args.multi_turn > 1:
         ap.error("--static runs single-turn requests (its prompts are known in advance)")
-    if args.step_timing and (args.static or args.compare_prefix_cache or args.multi_turn > 1 or args.shared_prefix):
-        ap.error("--step-timing runs no workload: without --static, --compare-prefix-cache, --multi-turn, "
-                 "--shared-prefix")
+    if args.step_timing and (args.static or args.compare_prefix_cache or compare_rows or args.multi_turn > 1
+                             or args.shared_prefix):
+        ap.error("--step-timing runs no workload: without --static, --compare-prefix-cache, --compare-prefill-rows, "
+                 "--multi-turn, --shared-prefix")
     if args.shared_prefix < 0 or min(args.multi_turn, args.decode_steps, args.prefill_chunk, args.prefill_rows,
                                      args.step_reps) < 1:
         ap.error("--shared-prefix must be >= 0, --multi-turn, --decode-steps, --prefill-chunk, --prefill-rows and "
@@ -507,12 +514,15 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                        speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps,
                        prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
         load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
-        runs = [("engine", args.prefix_cache or args.compare_prefix_cache)]
+        rows_name = f"engine_prefill_rows_{args.compare_prefill_rows}"
+        runs = [("engine", args.prefix_cache or args.compare_prefix_cache, args.prefill_rows)]
         if args.compare_prefix_cache:
-            runs.append(("engine_no_prefix_cache", False))
-        for name, prefix in runs:
+            runs.append(("engine_no_prefix_cache", False, args.prefill_rows))
+        if compare_rows:
+            runs.append((rows_name, args.prefix_cache, args.compare_prefill_rows))
+        for name, prefix, rows in runs:
             result[name] = run_engine(engine_cls, cfg, params, convs, label=name, prefix_cache=prefix, **load,
-                                      **options)
+                                      **(options | {"prefill_rows": rows}))
             write_json(args.out, result)
             print(f"{name}: {len(requests)} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:
@@ -522,12 +532,19 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                 "ttft_p99": on["ttft_s"]["p99"] / off["ttft_s"]["p99"],
                 "output_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
                 "total_tokens_per_s": on["total_tokens_per_s"] / off["total_tokens_per_s"]}
+        if compare_rows:
+            a, b = result["engine"], result[rows_name]
+            result[f"prefill_rows_{args.prefill_rows}_vs_{args.compare_prefill_rows}"] = {
+                "ttft_p50": a["ttft_s"]["p50"] / b["ttft_s"]["p50"],
+                "output_tokens_per_s": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+                "total_tokens_per_s": a["total_tokens_per_s"] / b["total_tokens_per_s"]}
         if args.static:
             result["static"] = run_static(cfg, params, requests, concurrency or options["max_batch"],
                                           unroll_layers=not args.scan_layers)
             result["output_tokens_per_s_vs_static"] = (result["engine"]["output_tokens_per_s"]
                                                        / result["static"]["output_tokens_per_s"])
-    for name in ("server", "engine", "engine_no_prefix_cache", "static"):
+    for name in ("server", "engine", "engine_no_prefix_cache", f"engine_prefill_rows_{args.compare_prefill_rows}",
+                 "static"):
         if name in result:
             r = result[name]
             hits = f"; prefix hit rate {r['prefix']['hit_rate']:.3f}" if "prefix" in r else ""

@@ -147,6 +147,34 @@ def test_a_row_ending_mid_call_keeps_the_others_steps(model):
     assert engine.stats()["pages_used"] == 0 and engine.pool.reserved == 0
 
 
+def test_a_row_near_max_len_takes_the_steps_left(model):
+    """A decode call runs as many steps as the rows' page tables have room for, up to `decode_steps`:
+    a prompt of 10 with 10 new tokens at max_len 20 (first token from its prefill) decodes in calls of
+    4, 4 and 2 steps, with `generate`'s tokens and no compile after the warm-up."""
+    cfg, params = model
+    steps = []
+
+    class Recorded(Engine):
+        def _decode(self, n, *args):
+            steps.append(n)
+            return super()._decode(n, *args)
+
+    engine = Recorded(cfg, params, max_batch=1, max_len=20, page_size=4, prefill_chunk=16, decode_steps=4)
+    engine.warmup(logprobs=False)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if "backend_compile" in event else None)
+    try:
+        prompt = _prompts(np.random.default_rng(9), cfg, 1, 10, 11)
+        h = engine.submit(prompt[0], SamplingParams(max_tokens=10, ignore_eos=True))
+        while not h.finished:
+            engine._iterate()
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert steps == [1, 4, 4, 2]  # the warm-up's call, then the request's
+    assert h.result() == _reference(cfg, params, prompt, [10])[0] and not compiles, compiles
+
+
 def test_pages_follow_the_tokens_held(model):
     """Between loop iterations the pages in use are each running request's tokens rounded up to a page;
     a prompt longer than the token budget is prefilled in chunks while the running requests decode."""
@@ -190,7 +218,8 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     # asked, several prompts' without), then the decode or speculative calls
     n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)
     assert [d for d, _, _ in shapes] == list(range(1, len(shapes) + 1))
-    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + (1 + logprobs) * (1 if k else 2)}
+    # one decode call serves every step count up to decode_steps
+    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + 1 + logprobs}
     compiles = []
 
     def listener(event, duration, **_):

@@ -256,18 +256,20 @@ def cache_page_size(cache: Cache) -> int:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: bool, params: Params, cache: Cache,
-                 page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array, keys_B: jax.Array,
-                 index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+                 n_steps: jax.Array, page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array,
+                 keys_B: jax.Array, index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
                  top_p_B: jax.Array) -> tuple[Cache, dict[str, Any]]:
-    """`steps` decode steps of every slot: row b consumes its input token at position lengths[b] and
-    samples its next token with key data keys_B[b] at token index index_B[b] + i (its own temperature,
-    top-k, top-p), step after step. The input token is the last one the previous decode call sampled
-    for the row (cache["tokens"][b]) where follow_B[b], else tokens_B[b] (a row's first token, from its
-    prefill): so a call can be dispatched before the host has read the previous one's tokens.
-    page_table_BN must name pages for every position a row reaches (lengths[b] + steps - 1). Returns
-    (cache with "tokens" the last step's samples, {"tokens": [steps, B]} and with `with_logprobs` the
-    sampled tokens' log-probabilities [steps, B] and top tokens [steps, B, n]). `params`: with the fused
-    decode weights (`decode.fuse_for_decode`)."""
+    """n_steps (int32 scalar, 1 <= n_steps <= `steps`) decode steps of every slot: row b consumes its
+    input token at position lengths[b] and samples its next token with key data keys_B[b] at token
+    index index_B[b] + i (its own temperature, top-k, top-p), step after step. One compiled call serves
+    every step count up to `steps` (the loop's trip count is an argument). The input token is the last
+    one the previous decode call sampled for the row (cache["tokens"][b]) where follow_B[b], else
+    tokens_B[b] (a row's first token, from its prefill): so a call can be dispatched before the host
+    has read the previous one's tokens. page_table_BN must name pages for every position a row reaches
+    (lengths[b] + n_steps - 1). Returns (cache with "tokens" the last step's samples, {"tokens":
+    [steps, B]} and with `with_logprobs` the sampled tokens' log-probabilities [steps, B] and top
+    tokens [steps, B, n]; entries of steps i >= n_steps are zeros). `params`: with the fused decode
+    weights (`decode.fuse_for_decode`)."""
     tokens_B = jnp.where(follow_B, cache["tokens"], tokens_B)
     cache = {"segments": cache["segments"], "lengths": cache["lengths"]}
     keys = jax.random.wrap_key_data(keys_B)
@@ -289,7 +291,7 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     if with_logprobs:
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
-    cache, last, out = jax.lax.fori_loop(0, steps, body, (cache, tokens_B, out))
+    cache, last, out = jax.lax.fori_loop(0, n_steps, body, (cache, tokens_B, out))
     return {**cache, "tokens": constrain(last, "cache_rows")}, out
 
 

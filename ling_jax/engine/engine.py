@@ -5,7 +5,7 @@ are admitted into free slots between steps; a slot's prompt is prefilled in chun
 `prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
 `token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
 for its whole prefill); then the slot decodes with the others, `decode_steps` steps per host round
-trip while no request waits to start (one while any does). Decode calls are pipelined: the next call
+trip while no request waits to start (one while any does; fewer where a row nears `max_len`). Decode calls are pipelined: the next call
 is dispatched (its input tokens the previous call's outputs, on the device) before the host reads the
 previous call's tokens, so delivering tokens, admitting and building page tables overlap the device's
 work; a request that ends within a call wastes the rest of it and at most the call after it (the
@@ -39,9 +39,9 @@ needs nothing recomputed.
 
 Compiled shapes: prefill calls of one prompt's chunk in powers of two up to `prefill_chunk` (at least
 16) and, with `prefill_rows` > 1, of `prefill_rows` prompts' chunks of `prefill_chunk` / 4 and
-`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), decode calls of
-1 and `decode_steps` steps (with speculation: the speculative call instead), each with and without
-log-probabilities; `warmup()` compiles them all, and serving never compiles afterwards.
+`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), one decode call
+for every step count up to `decode_steps` (with speculation: the speculative call instead), each
+with and without log-probabilities; `warmup()` compiles them all, and serving never compiles afterwards.
 """
 
 from __future__ import annotations
@@ -340,8 +340,8 @@ class Engine:
             shapes += [(f"speculative step{lp_name[lp]}", functools.partial(self._speculate, lp, zeros_table, []))
                        for lp in variants]
         else:
-            shapes += [(f"decode {steps} step{'s' * (steps > 1)}{lp_name[lp]}", functools.partial(decode, steps, lp))
-                       for steps in sorted({1, self.decode_steps}) for lp in variants]
+            steps = "1 step" if self.decode_steps == 1 else f"1-{self.decode_steps} steps"
+            shapes += [(f"decode {steps}{lp_name[lp]}", functools.partial(decode, 1, lp)) for lp in variants]
         if self.prefix is not None:
             shapes.append(("snapshot save and restore", snapshot_round_trip))
         with self._mesh():
@@ -604,8 +604,8 @@ class Engine:
         if active:
             busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
             # a call's steps stay within every row's page table (positions < max_pages * page_size)
-            roomy = all(s.length + self.decode_steps <= self.max_pages * self.page_size for _, s in active)
-            steps = self.decode_steps if roomy and not busy else 1
+            room = min(self.max_pages * self.page_size - s.length for _, s in active)
+            steps = 1 if busy else max(1, min(self.decode_steps, room))
             table = np.zeros((self.max_batch, self.max_pages), np.int32)
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
                 self._pages_for(s, min(s.length + steps, len(s.prompt) + s.handle.sampling.max_tokens))
@@ -643,8 +643,8 @@ class Engine:
                 sp = s.handle.sampling
                 tokens[i], keys[i], index[i] = s.last, s.key, s.dispatched
                 temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
-        return device.decode_steps(self.config, self.k_decode, steps, want_lp, self.params, self.cache, table,
-                                   tokens, follow, keys, index, temp, top_k, top_p)
+        return device.decode_steps(self.config, self.k_decode, self.decode_steps, want_lp, self.params, self.cache,
+                                   np.int32(steps), table, tokens, follow, keys, index, temp, top_k, top_p)
 
     def _speculate_round(self) -> None:
         """One speculative call over every slot past its prompt, then each row's accepted tokens delivered

@@ -20,10 +20,15 @@ def test_in_process_engine_against_static(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "4",
                  "--concurrency", "2", "--prompt-len", "4:12", "--output-len", "2:6", "--static", "--scan-layers",
-                 "--out", str(out)], engine_cls=Engine) == 0
+                 "--prefill-rows", "2", "--compare-prefill-rows", "1", "--out", str(out)], engine_cls=Engine) == 0
     r = json.loads(out.read_text())
     want = sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0))
     assert r["engine"]["output_tokens"] == r["static"]["output_tokens"] == want
+    # the same requests with one prompt per prefill call: a call for each prompt's chunk
+    one = r["engine_prefill_rows_1"]
+    assert one["output_tokens"] == want and one["stats"]["prefill_calls_total"] == 4
+    assert r["engine"]["stats"]["prefill_calls_total"] <= 4
+    assert set(r["prefill_rows_2_vs_1"]) == {"ttft_p50", "output_tokens_per_s", "total_tokens_per_s"}
     assert r["engine"]["requests"] == r["static"]["requests"] == 4
     assert r["static"]["generated_tokens"] >= want and r["output_tokens_per_s_vs_static"] > 0
     for key in ("request_throughput", "output_tokens_per_s", "total_tokens_per_s"):
@@ -122,6 +127,10 @@ def test_step_timing(tmp_path):
                                   ["--url", "http://x", "--vocab-size", "9", "--concurrency", "0"],
                                   ["--url", "http://x", "--vocab-size", "9", "--compare-prefix-cache"],
                                   ["--url", "http://x", "--vocab-size", "9", "--step-timing"],
+                                  ["--url", "http://x", "--vocab-size", "9", "--compare-prefill-rows", "2"],
+                                  ["--preset", "debug", "--random-weights", "--compare-prefill-rows", "0"],
+                                  ["--preset", "debug", "--random-weights", "--compare-prefill-rows", "2",
+                                   "--compare-prefix-cache"],
                                   ["--preset", "debug", "--random-weights", "--static", "--multi-turn", "2"],
                                   ["--preset", "debug", "--random-weights", "--step-timing", "--shared-prefix", "4"],
                                   ["--preset", "debug", "--random-weights", "--multi-turn", "0"],
