@@ -201,9 +201,12 @@ def test_pages_follow_the_tokens_held(model):
     assert engine.stats()["pages_used"] == 0
 
 
-@pytest.mark.parametrize("logprobs", [True, False])
-@pytest.mark.parametrize("k,rows", [(0, 1), (2, 1), pytest.param(0, 3, marks=pytest.mark.heavy)],
-                         ids=["plain", "speculative", "prefill-rows"])
+@pytest.mark.parametrize("k,rows,logprobs", [(0, 1, True), (0, 1, False), (2, 1, False),
+                                              pytest.param(2, 1, True, marks=pytest.mark.heavy),
+                                              pytest.param(0, 3, True, marks=pytest.mark.heavy),
+                                              pytest.param(0, 3, False, marks=pytest.mark.heavy)],
+                         ids=["plain-logprobs", "plain", "speculative", "speculative-logprobs", "prefill-rows-logprobs",
+                              "prefill-rows"])
 def test_no_compiles_after_warmup(model, k, rows, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
     sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities (plain

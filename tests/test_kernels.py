@@ -95,6 +95,7 @@ def test_tuned_overrides_reach_the_record(cfg):
     assert kern.tuning_for("NVIDIA H200") == kern.TUNED["H200"]
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_tuning_changes_the_compiled_decode(cfg, monkeypatch):
     """A `tuned` value reaches the kernel's launch: the gemv kernel's grid follows `gemv_programs`."""
     from ling_jax.ops import expert_gemv
@@ -122,7 +123,7 @@ def _forward_and_grad(cfg, params, ids):
     return jax.value_and_grad(loss)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("platform", ["tpu", pytest.param("cuda", marks=pytest.mark.heavy)])  # heavy: suite time
 def test_export_carries_the_platforms_kernels(platform, h200_lowering):
     """`forward` and its gradient with kda_impl="pallas", traced on this CPU host and exported for a
     TPU or a CUDA GPU, carry that platform's kernels (Mosaic / Triton custom calls), chosen at

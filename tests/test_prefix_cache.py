@@ -163,6 +163,7 @@ def test_eviction_and_rebuild_equal_generate(model):
     assert cached[9] == 24  # 3 right after 3
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_a_request_waiting_for_pages_is_counted_once(model):
     """A request that hits a cached prefix but waits for pages (the pool holds one request) is looked up
     again at every admission attempt, and counted once, when admitted: hits, misses and cached tokens

@@ -78,6 +78,7 @@ def _assert_row_equal(x, want, b, n, name):
     np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5, err_msg=f"row {b} {name}")
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_mtp_cache_follows_the_sequence_form(debug_model):
     """Drafting from the prefill (MTP position L - 1), then after a verify of 3 tokens (positions L to
     L + 2, replacing the draft rows there) gives the MTP layer's distribution of `forward_with_mtp` over

@@ -135,6 +135,7 @@ def test_export_sizes_are_the_writers(tmp_path):
     assert sizes["params"] == sum(x.size for x in jax.tree.leaves(params))
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_all_on_a_slice(tmp_path):
     """`all` on a small tree with a toy-width model: two training steps, both checkpoints evaluated,
     the better one exported as block-FP8 with the tokenizer files, and that export evaluated."""

@@ -80,6 +80,7 @@ def test_tiny_model_learns(tiny):
     assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 2.5, losses  # from ~ln(512) = 6.2 nats
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_non_finite_step_is_skipped(tiny):
     cfg, tcfg, opt, step = tiny
     state = fresh_state(cfg, opt)
@@ -167,6 +168,7 @@ def test_train_config_refuses_bad_values(change, msg):
         TrainConfig.load(None, **change)
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_untrained_mtp_layer_is_frozen():
     """With MTP loss weight 0 no gradient reaches the MTP layer: weight decay must not shrink it either."""
     cfg = LingConfig.preset("debug", **TINY)

@@ -5,11 +5,12 @@ are admitted into free slots between steps; a slot's prompt is prefilled in chun
 `prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
 `token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
 for its whole prefill); then the slot decodes with the others, `decode_steps` steps per host round
-trip while no request waits to start (one while any does; fewer where a row nears `max_len`). Decode calls are pipelined: the next call
-is dispatched (its input tokens the previous call's outputs, on the device) before the host reads the
-previous call's tokens, so delivering tokens, admitting and building page tables overlap the device's
-work; a request that ends within a call wastes the rest of it and at most the call after it (the
-steps past its `max_tokens` write the unshared rest of its last page or page 0: nothing reads them).
+trip while no request waits to start (one while any does; fewer where a row nears `max_len`). Decode
+calls are pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the
+device) before the host reads the previous call's tokens, so delivering tokens, admitting and
+building page tables overlap the device's work; a request that ends within a call wastes the rest of
+it and at most the call after it (the steps past its `max_tokens` write the unshared rest of its last
+page or page 0: nothing reads them).
 A request leaves as soon as it finishes (a stop token, `max_tokens`, cancellation) and its slot and
 pages go to the next.
 

@@ -114,6 +114,7 @@ def test_forward_unfused_gate_through_api_chunk32():
     assert rel_l2(o, ro) < 2e-5 and rel_l2(ht, rht) < 2e-5 and rel_l2(cs, rcs) < 2e-5
 
 
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_gpu_runs_the_kernels_at_their_chunk(monkeypatch):
     """Lowered for a GPU, impl="pallas" runs the kernels at `api.GPU_KERNEL_CHUNK` where it divides the
     chunk asked for: same outputs, and the chunk states of the chunk asked for (every second kernel

@@ -494,6 +494,7 @@ def test_drain_grace_cancels_the_rest(slow):
 
 
 # --- speculative decoding ----------------------------------------------------------------------------
+@pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
 def test_speculative_engine_serves_generates_tokens(model, codec):
     """A server on the engine with 2 MTP drafts per call (what `ling-serve --speculative-tokens 2`
     builds): greedy completions, whole and streamed, give `generate`'s tokens, a seeded sampled one
