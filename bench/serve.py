@@ -40,6 +40,11 @@ engine's `stats()`. `--compare-prefix-cache` (in-process) runs the workload with
 ("engine") and then off ("engine_no_prefix_cache"), with the on / off ratios of TTFT p50 / p99 and
 tokens/s.
 
+`--also-concurrency C:N ...` (in-process) runs the first N of the requests again at concurrency C for
+each pair, with the same engine options ("engine_concurrency_C"); `--decode-buckets` gives the
+engine its decode buckets (`Engine(decode_buckets=...)`), so one engine of `--max-batch` slots serves
+low concurrencies at a small batch's step.
+
 `--step-timing` (in-process, no workload) times the decode step with every slot busy: the engine's
 (`step_timing`: with its serving loop, pipelined calls of `--decode-steps`) against
 `ling_jax.decode.decode_loop`'s at the same batch (`--max-batch`) and context (the top of
@@ -390,6 +395,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="in-process: the workload again with R prompts per prefill call, in this run (the weights "
                          "and the compiled decode call shared; both in the JSON, with the ratios)")
     ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
+    ap.add_argument("--decode-buckets", type=int, nargs="+", default=None, metavar="N",
+                    help="the engine's decode buckets (slot counts of its decode calls; --max-batch always one)")
+    ap.add_argument("--also-concurrency", nargs="+", default=[], metavar="C:N",
+                    help="in-process: the first N requests again at concurrency C, per pair, same engine options")
     ap.add_argument("--prefix-cache", action="store_true", help="the in-process engine with its prefix cache")
     work = ap.add_argument_group("prefix-cache workloads")
     work.add_argument("--shared-prefix", type=int, default=0, metavar="N",
@@ -442,6 +451,14 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     if args.url and not (args.preset or args.vocab_size):
         ap.error("--url needs --vocab-size (or --preset) to draw token ids")
     compare_rows = args.compare_prefill_rows is not None
+    try:
+        also = [tuple(int(v) for v in pair.split(":")) for pair in args.also_concurrency]
+    except ValueError:
+        ap.error(f"--also-concurrency takes C:N pairs of integers, not {args.also_concurrency}")
+    if any(len(pair) != 2 or not 1 <= pair[1] <= args.num_requests or pair[0] < 1 for pair in also):
+        ap.error(f"--also-concurrency C:N needs C >= 1 and 1 <= N <= --num-requests ({args.num_requests})")
+    if also and (not in_process or args.step_timing):
+        ap.error("--also-concurrency runs a workload through an in-process engine")
     if (args.compare_prefix_cache or compare_rows or args.step_timing) and not in_process:
         ap.error("--compare-prefix-cache, --compare-prefill-rows and --step-timing need an in-process engine")
     if compare_rows and (args.compare_prefix_cache or args.compare_prefill_rows < 1):
@@ -512,7 +529,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         options = dict(max_batch=args.max_batch or concurrency or 8, page_size=args.page_size,
                        max_len=args.max_len or -(-longest // args.page_size) * args.page_size,
                        speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps,
-                       prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
+                       prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+                       decode_buckets=args.decode_buckets)
         load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
         rows_name = f"engine_prefill_rows_{args.compare_prefill_rows}"
         runs = [("engine", args.prefix_cache or args.compare_prefix_cache, args.prefill_rows)]
@@ -525,6 +543,12 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                                       **(options | {"prefill_rows": rows}))
             write_json(args.out, result)
             print(f"{name}: {len(requests)} requests in {result[name]['duration_s']:.1f} s", flush=True)
+        for c, n in also:
+            name = f"engine_concurrency_{c}"
+            result[name] = run_engine(engine_cls, cfg, params, convs[:n], label=name, concurrency=c, rate=None,
+                                      seed=args.seed, prefix_cache=args.prefix_cache, **options)
+            write_json(args.out, result)
+            print(f"{name}: {n} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:
             on, off = result["engine"], result["engine_no_prefix_cache"]
             result["prefix_cache_vs_off"] = {
@@ -544,7 +568,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
             result["output_tokens_per_s_vs_static"] = (result["engine"]["output_tokens_per_s"]
                                                        / result["static"]["output_tokens_per_s"])
     for name in ("server", "engine", "engine_no_prefix_cache", f"engine_prefill_rows_{args.compare_prefill_rows}",
-                 "static"):
+                 *(f"engine_concurrency_{c}" for c, _ in also), "static"):
         if name in result:
             r = result[name]
             hits = f"; prefix hit rate {r['prefix']['hit_rate']:.3f}" if "prefix" in r else ""

@@ -28,6 +28,13 @@ from typing import Any
 _PROG = "ling-serve"
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="HF directory (config.json + safetensors) or Orbax checkpoint")
@@ -43,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the largest prompt chunk prefilled in one call")
     ap.add_argument("--prefill-rows", type=int, default=1, help="the most prompts one prefill call runs a chunk of")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per call while no request waits")
+    ap.add_argument("--decode-buckets", type=_int_list, default=(), metavar="N,N,...",
+                    help="also compile decode calls over the first N slots only (e.g. 1,16): at low concurrency a "
+                         "step costs that batch's step, for one more compile per bucket")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every serving shape before listening (--no-warmup: as requests need them)")
     ap.add_argument("--mesh", default="", help="device mesh as axis=size pairs, e.g. 'expert=8' (as ling-generate)")
@@ -138,6 +148,11 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                              ("--speculative-tokens", args.speculative_tokens, 0)):
         if value < low:
             return _fail(f"{name} {value}: must be >= {low}", 2)
+    if any(not 1 <= n <= args.max_batch for n in args.decode_buckets):
+        return _fail(f"--decode-buckets {','.join(map(str, args.decode_buckets))}: each must be in 1 .. "
+                     f"--max-batch {args.max_batch}", 2)
+    if args.decode_buckets and args.speculative_tokens:
+        return _fail("--decode-buckets apply to plain decoding; a speculative step runs every slot", 2)
     if args.port > 65535:
         return _fail(f"--port {args.port}: must be <= 65535", 2)
     if not args.prefix_cache_gb > 0:
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
             cfg, params, max_batch=args.max_batch, max_len=args.max_len, page_size=args.page_size, mesh=mesh,
             speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache,
             prefix_cache_gb=args.prefix_cache_gb, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-            prefill_rows=args.prefill_rows, decode_steps=args.decode_steps)
+            prefill_rows=args.prefill_rows, decode_steps=args.decode_steps, decode_buckets=args.decode_buckets)
         if args.warmup:
             print(f"{_PROG}: compiling the serving shapes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()

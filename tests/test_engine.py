@@ -175,6 +175,55 @@ def test_a_row_near_max_len_takes_the_steps_left(model):
     assert h.result() == _reference(cfg, params, prompt, [10])[0] and not compiles, compiles
 
 
+def test_decode_buckets_run_the_slots_in_use(model):
+    """With decode buckets (1, 2) of 4 slots, a decode call runs the first slots up to the smallest
+    bucket holding every decoding slot: 1 while one request runs, 2 with two, all 4 once slot 2 is
+    taken, and 1 again when only slot 0 is left; the greedy and seeded sampled requests get
+    `generate`'s tokens, the rows past a call's bucket keep their state, and nothing compiles after
+    the warm-up (a decode call per bucket)."""
+    cfg, params = model
+    rows = []
+
+    class Recorded(Engine):
+        def _decode(self, n, want_lp, table, follow):
+            rows.append(len(table))
+            return super()._decode(n, want_lp, table, follow)
+
+    engine = Recorded(cfg, params, max_batch=4, max_len=64, page_size=8, prefill_chunk=16, decode_steps=3,
+                      decode_buckets=[2, 1])
+    names = []
+    engine.warmup(logprobs=False, progress=lambda done, total, name, s: names.append(name))
+    assert [n for n in names if n.startswith("decode")] == [f"decode {r} slots, 1-3 steps" for r in (1, 2, 4)]
+    rows.clear()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if "backend_compile" in event else None)
+    rng = np.random.default_rng(12)
+    prompts = _prompts(rng, cfg, 3, 5, 16)
+    sampled = SamplingParams(max_tokens=14, temperature=0.8, seed=5, ignore_eos=True)
+    try:
+        hs = [engine.submit(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))]
+        seen = []
+        for i in range(60):
+            if i == 3:
+                hs.append(engine.submit(prompts[1], sampled))
+            if i == 8:
+                hs.append(engine.submit(prompts[2], SamplingParams(max_tokens=9, ignore_eos=True)))
+            engine._iterate()
+            seen.append(rows[-1] if rows else 0)
+            if all(h.finished for h in hs):
+                break
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert not compiles, compiles
+    runs = [r for r, _ in itertools.groupby(r for r in seen if r)]
+    assert runs == [1, 2, 4, 2, 1] or runs == [1, 2, 4, 1], seen
+    assert hs[0].result() == _reference(cfg, params, prompts[:1], [40])[0]
+    assert hs[2].result() == _reference(cfg, params, prompts[2:], [9])[0]
+    assert hs[1].result() == ling_jax.generate(cfg, params, [prompts[1]], max_new_tokens=14, temperature=0.8,
+                                               seed=5, stop_tokens=())[0]
+
+
 def test_pages_follow_the_tokens_held(model):
     """Between loop iterations the pages in use are each running request's tokens rounded up to a page;
     a prompt longer than the token budget is prefilled in chunks while the running requests decode."""
@@ -221,7 +270,7 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     # asked, several prompts' without), then the decode or speculative calls
     n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)
     assert [d for d, _, _ in shapes] == list(range(1, len(shapes) + 1))
-    # one decode call serves every step count up to decode_steps
+    # one decode call (one decode bucket: all slots) serves every step count up to decode_steps
     assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + 1 + logprobs}
     compiles = []
 

@@ -87,27 +87,28 @@ def _assert_laid_out(engine: Engine, mesh) -> None:
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, sharding.spec("cache_rows", x.shape, mesh)), 1), name
 
 
-@pytest.mark.parametrize("mesh_sizes,prefix,spec,rows", [
-    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 1, id="2x2x2-prefix"),
-    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 2, 1, marks=pytest.mark.heavy,
+@pytest.mark.parametrize("mesh_sizes,prefix,spec,rows,buckets", [
+    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 1, None, id="2x2x2-prefix"),
+    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 2, 1, None, marks=pytest.mark.heavy,
                  id="2x2x2-prefix-speculative"),
-    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 3, marks=pytest.mark.heavy,
+    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 3, None, marks=pytest.mark.heavy,
                  id="2x2x2-prefix-3-prompts-per-prefill"),
-    pytest.param((("data", 2), ("expert", 4)), False, 0, 1, marks=pytest.mark.heavy, id="2x4"),
-    pytest.param((("data", 2), ("expert", 4)), True, 0, 1, marks=pytest.mark.heavy, id="2x4-prefix"),
-    pytest.param((("expert", 8),), True, 0, 1, marks=pytest.mark.heavy, id="1x8-prefix"),
+    pytest.param((("data", 2), ("expert", 4)), False, 0, 1, (1, 2), marks=pytest.mark.heavy, id="2x4-decode-buckets"),
+    pytest.param((("data", 2), ("expert", 4)), True, 0, 1, None, marks=pytest.mark.heavy, id="2x4-prefix"),
+    pytest.param((("expert", 8),), True, 0, 1, None, marks=pytest.mark.heavy, id="1x8-prefix"),
 ])
-def test_engine_under_a_mesh_equals_generate(golden_a, mesh_sizes, prefix, spec, rows):
+def test_engine_under_a_mesh_equals_generate(golden_a, mesh_sizes, prefix, spec, rows, buckets):
     """The engine on params placed on a mesh, every call under it: each request's tokens are those of
     `generate` under no mesh; with the prefix cache the requests continuing a cached base read it;
     with speculation (k = `spec` MTP drafts per call) the same tokens; serving compiles nothing after
     the warm-up, and the paged cache, staging rows and snapshot store stay laid out by the sharding
-    table; with `rows` > 1 prompts per prefill call the same."""
+    table; with `rows` > 1 prompts per prefill call the same; with decode `buckets` (calls over the
+    first 1 or 2 of the 4 slots, rows the data axis does not divide) the same."""
     cfg, params, _ = golden_a
     mesh, _, sparams = _golden_on(mesh_sizes)
     prompts, max_tokens = _workload(cfg, 1, 12)
     engine = Engine(cfg, sparams, mesh=mesh, prefix_cache=prefix, prefix_cache_gb=0.01, snapshot_pages=2,
-                    speculative_tokens=spec, prefill_rows=rows, **ENGINE)
+                    speculative_tokens=spec, prefill_rows=rows, decode_buckets=buckets, **ENGINE)
     got, cached, compiles = _serve_all(engine, prompts, max_tokens, concurrency=6)
     assert got == _reference(cfg, params, prompts, max_tokens)
     assert not compiles, compiles  # every call's inputs keep the layout its warm-up compiled for

@@ -259,7 +259,9 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
                  n_steps: jax.Array, page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array,
                  keys_B: jax.Array, index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
                  top_p_B: jax.Array) -> tuple[Cache, dict[str, Any]]:
-    """n_steps (int32 scalar, 1 <= n_steps <= `steps`) decode steps of every slot: row b consumes its
+    """n_steps (int32 scalar, 1 <= n_steps <= `steps`) decode steps of slots 0 .. R - 1, R = the length of
+    the per-row inputs (R <= B, the cache's slots; the engine's decode buckets): the slots from R on are
+    left as they are, and each R compiles once. Row b consumes its
     input token at position lengths[b] and samples its next token with key data keys_B[b] at token
     index index_B[b] + i (its own temperature, top-k, top-p), step after step. One compiled call serves
     every step count up to `steps` (the loop's trip count is an argument). The input token is the last
@@ -270,10 +272,12 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     [steps, B]} and with `with_logprobs` the sampled tokens' log-probabilities [steps, B] and top
     tokens [steps, B, n]; entries of steps i >= n_steps are zeros). `params`: with the fused decode
     weights (`decode.fuse_for_decode`)."""
+    b = tokens_B.shape[0]
+    whole = cache
+    cache = _first_rows(cache, b)
     tokens_B = jnp.where(follow_B, cache["tokens"], tokens_B)
     cache = {"segments": cache["segments"], "lengths": cache["lengths"]}
     keys = jax.random.wrap_key_data(keys_B)
-    b = tokens_B.shape[0]
     n = TOP_LOGPROBS
 
     def body(i, carry):
@@ -292,7 +296,36 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
     cache, last, out = jax.lax.fori_loop(0, n_steps, body, (cache, tokens_B, out))
-    return {**cache, "tokens": constrain(last, "cache_rows")}, out
+    return _put_first_rows(whole, {**cache, "tokens": last}), out
+
+
+def _first_rows(cache: Cache, r: int) -> Cache:
+    """The engine cache's slots 0 .. r - 1 (KDA states and windows, "lengths", "tokens"; the page pools
+    whole): the cache itself where r is all of them."""
+    if r == cache["lengths"].shape[0]:
+        return cache
+
+    def take(path: Any, leaf: jax.Array) -> jax.Array:
+        name = path[-1].key
+        return leaf if name == "pages" else jax.lax.slice_in_dim(leaf, 0, r, axis=_batch_axis(name, leaf))
+
+    return {"segments": jax.tree_util.tree_map_with_path(take, cache["segments"]),
+            "lengths": cache["lengths"][:r], "tokens": cache["tokens"][:r]}
+
+
+def _put_first_rows(cache: Cache, rows: Cache) -> Cache:
+    """`cache` with its first slots replaced by `rows` (`_first_rows`' layout) and its page pools by
+    theirs, laid out as `empty` lays them out."""
+    if rows["lengths"].shape[0] == cache["lengths"].shape[0]:
+        return {**rows, "tokens": constrain(rows["tokens"], "cache_rows")}
+
+    def put(path: Any, leaf: jax.Array, new: jax.Array) -> jax.Array:
+        name = path[-1].key
+        return new if name == "pages" else jax.lax.dynamic_update_slice_in_dim(leaf, new, 0, _batch_axis(name, leaf))
+
+    return {"segments": jax.tree_util.tree_map_with_path(put, cache["segments"], rows["segments"]),
+            "lengths": constrain(cache["lengths"].at[:rows["lengths"].shape[0]].set(rows["lengths"]), "cache_rows"),
+            "tokens": constrain(cache["tokens"].at[:rows["tokens"].shape[0]].set(rows["tokens"]), "cache_rows")}
 
 
 def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:

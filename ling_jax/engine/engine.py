@@ -1,6 +1,6 @@
 """`Engine`: continuous batching over a paged latent cache, driven by one loop thread.
 
-A fixed number of slots (`max_batch`) share one compiled decode step. Requests wait in a queue and
+A fixed number of slots (`max_batch`) share a compiled decode step. Requests wait in a queue and
 are admitted into free slots between steps; a slot's prompt is prefilled in chunks (at most
 `prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
 `token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
@@ -10,7 +10,9 @@ calls are pipelined: the next call is dispatched (its input tokens the previous 
 device) before the host reads the previous call's tokens, so delivering tokens, admitting and
 building page tables overlap the device's work; a request that ends within a call wastes the rest of
 it and at most the call after it (the steps past its `max_tokens` write the unshared rest of its last
-page or page 0: nothing reads them).
+page or page 0: nothing reads them). A decode call runs the first slots up to the smallest of
+`decode_buckets` (default: `max_batch` alone) that holds every decoding slot, so at low concurrency
+a step costs what that batch costs.
 A request leaves as soon as it finishes (a stop token, `max_tokens`, cancellation) and its slot and
 pages go to the next.
 
@@ -40,9 +42,10 @@ needs nothing recomputed.
 
 Compiled shapes: prefill calls of one prompt's chunk in powers of two up to `prefill_chunk` (at least
 16) and, with `prefill_rows` > 1, of `prefill_rows` prompts' chunks of `prefill_chunk` / 4 and
-`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), one decode call
-for every step count up to `decode_steps` (with speculation: the speculative call instead), each
-with and without log-probabilities; `warmup()` compiles them all, and serving never compiles afterwards.
+`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), one decode call per
+decode bucket for every step count up to `decode_steps` (with speculation: the speculative call
+instead), each with and without log-probabilities; `warmup()` compiles them all, and serving never
+compiles afterwards.
 """
 
 from __future__ import annotations
@@ -129,7 +132,11 @@ class Engine:
     `max_len`); `prefill_chunk`: the largest prefill chunk; `prefill_rows`: the most prompts one
     prefill call runs a chunk of (each holds a staging row of KDA state while in its prompt);
     `token_budget`: prompt tokens prefilled per loop iteration (default `prefill_rows *
-    prefill_chunk`); `decode_steps`: decode steps per call while nothing waits; `max_waiting`:
+    prefill_chunk`); `decode_steps`: decode steps per call while nothing waits; `decode_buckets`: the
+    slot counts a decode call is compiled for (default: `max_batch` only): a call runs the first slots
+    up to the smallest bucket that holds every decoding slot (requests take the lowest free slot), so
+    at low concurrency a step costs what a small batch costs, for one more compiled call per bucket
+    (plain decoding; with speculation every call runs all slots); `max_waiting`:
     queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
     every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
     `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc);
@@ -144,7 +151,7 @@ class Engine:
     def __init__(self, config: LingConfig, params: Params, *, max_batch: int = 8, max_len: int = 2048,
                  page_size: int = 64, num_pages: int | None = None, prefill_chunk: int = 512,
                  prefill_rows: int = 1, token_budget: int | None = None, decode_steps: int = 8,
-                 max_waiting: int = 256, mesh: Any = None,
+                 decode_buckets: Sequence[int] | None = None, max_waiting: int = 256, mesh: Any = None,
                  unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
                  prefix_cache_gb: float = 1.0, snapshot_pages: int = 32):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
@@ -163,6 +170,12 @@ class Engine:
         if speculative_tokens and not has_mtp(config, params):
             raise ValueError(f"speculative_tokens={speculative_tokens} drafts with the MTP layer, and this model has "
                              f"none (num_nextn_predict_layers={config.num_nextn_predict_layers})")
+        buckets = sorted({max_batch, *(decode_buckets or ())})
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch for b in buckets):
+            raise ValueError(f"decode_buckets={decode_buckets!r} must be integers in 1 .. max_batch={max_batch}")
+        if speculative_tokens and len(buckets) > 1:
+            raise ValueError("decode_buckets apply to plain decoding: a speculative call runs every slot")
+        self.decode_buckets = buckets
         if isinstance(snapshot_pages, bool) or not isinstance(snapshot_pages, int) or snapshot_pages < 1:
             raise ValueError(f"snapshot_pages={snapshot_pages!r} must be an integer >= 1")
         self.config, self.max_batch, self.max_len, self.page_size = config, max_batch, max_len, page_size
@@ -324,8 +337,8 @@ class Engine:
                 *self._prefill_args(rows, c, []))
             return out
 
-        def decode(steps: int, lp: bool) -> Any:
-            self.cache, out = self._decode(steps, lp, zeros_table, none)
+        def decode(rows: int, lp: bool) -> Any:
+            self.cache, out = self._decode(1, lp, zeros_table[:rows], none[:rows])
             return out
 
         def snapshot_round_trip() -> Any:  # the store is left as it was
@@ -342,7 +355,8 @@ class Engine:
                        for lp in variants]
         else:
             steps = "1 step" if self.decode_steps == 1 else f"1-{self.decode_steps} steps"
-            shapes += [(f"decode {steps}{lp_name[lp]}", functools.partial(decode, 1, lp)) for lp in variants]
+            shapes += [(f"decode {rows} slots, {steps}{lp_name[lp]}", functools.partial(decode, rows, lp))
+                       for rows in self.decode_buckets for lp in variants]
         if self.prefix is not None:
             shapes.append(("snapshot save and restore", snapshot_round_trip))
         with self._mesh():
@@ -606,14 +620,16 @@ class Engine:
             busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
             # a call's steps stay within every row's page table (positions < max_pages * page_size)
             room = min(self.max_pages * self.page_size - s.length for _, s in active)
-            steps = 1 if busy else max(1, min(self.decode_steps, room))
-            table = np.zeros((self.max_batch, self.max_pages), np.int32)
+            steps = 1 if busy else min(self.decode_steps, room)
+            rows = next(b for b in self.decode_buckets if b > active[-1][0])
+            table = np.zeros((rows, self.max_pages), np.int32)
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
                 self._pages_for(s, min(s.length + steps, len(s.prompt) + s.handle.sampling.max_tokens))
                 table[i] = self._table(s)
-            follow = np.zeros(self.max_batch, bool)  # rows continuing from the call in flight
+            follow = np.zeros(rows, bool)  # rows continuing from the call in flight
             for i, s in prev[1] if prev else ():
-                follow[i] = self.slots[i] is s
+                if i < rows:  # a row past this call's bucket ended
+                    follow[i] = self.slots[i] is s
             want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
             self.cache, out = self._decode(steps, want_lp, table, follow)
             for _, s in active:
@@ -636,10 +652,12 @@ class Engine:
                 self._emit(i, s, int(out["tokens"][t, i]), *lp)
 
     def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray) -> tuple[Any, Any]:
-        tokens, keys = np.zeros(self.max_batch, np.int32), np.zeros((self.max_batch, 2), np.uint32)
-        index, temp = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, np.float32)
-        top_k, top_p = np.zeros(self.max_batch, np.int32), np.ones(self.max_batch, np.float32)
-        for i, s in enumerate(self.slots):
+        """Dispatches `device.decode_steps` over the first len(table) slots (a decode bucket)."""
+        r = len(table)
+        tokens, keys = np.zeros(r, np.int32), np.zeros((r, 2), np.uint32)
+        index, temp = np.zeros(r, np.int32), np.zeros(r, np.float32)
+        top_k, top_p = np.zeros(r, np.int32), np.ones(r, np.float32)
+        for i, s in enumerate(self.slots[:r]):
             if s is not None and s.decoding:
                 sp = s.handle.sampling
                 tokens[i], keys[i], index[i] = s.last, s.key, s.dispatched

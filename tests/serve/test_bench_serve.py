@@ -20,7 +20,8 @@ def test_in_process_engine_against_static(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "4",
                  "--concurrency", "2", "--prompt-len", "4:12", "--output-len", "2:6", "--static", "--scan-layers",
-                 "--prefill-rows", "2", "--compare-prefill-rows", "1", "--out", str(out)], engine_cls=Engine) == 0
+                 "--prefill-rows", "2", "--compare-prefill-rows", "1", "--decode-buckets", "1",
+                 "--also-concurrency", "1:3", "--out", str(out)], engine_cls=Engine) == 0
     r = json.loads(out.read_text())
     want = sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0))
     assert r["engine"]["output_tokens"] == r["static"]["output_tokens"] == want
@@ -37,6 +38,10 @@ def test_in_process_engine_against_static(tmp_path):
     assert r["static"]["tpot_s"]["p50"] is None
     assert r["device"] and r["jax"] and r["date"] and r["command"] and "git" in r
     assert r["engine"]["stats"]["generation_tokens_total"] == want
+    # the first 3 requests again, one at a time, on the same engine options (decode bucket 1 of 2 slots)
+    c1 = r["engine_concurrency_1"]
+    assert c1["requests"] == 3 and c1["max_batch"] == 2
+    assert c1["output_tokens"] == sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0)[:3])
 
 
 def test_server_under_poisson_arrivals(tmp_path, model):
@@ -134,7 +139,10 @@ def test_step_timing(tmp_path):
                                   ["--preset", "debug", "--random-weights", "--static", "--multi-turn", "2"],
                                   ["--preset", "debug", "--random-weights", "--step-timing", "--shared-prefix", "4"],
                                   ["--preset", "debug", "--random-weights", "--multi-turn", "0"],
-                                  ["--preset", "debug", "--random-weights", "--shared-prefix", "-1"]])
+                                  ["--preset", "debug", "--random-weights", "--shared-prefix", "-1"],
+                                  ["--preset", "debug", "--random-weights", "--also-concurrency", "2"],
+                                  ["--preset", "debug", "--random-weights", "--also-concurrency", "2:65"],
+                                  ["--url", "http://x", "--vocab-size", "9", "--also-concurrency", "1:2"]])
 def test_bad_arguments(args):
     with pytest.raises(SystemExit) as e:
         main(args)
