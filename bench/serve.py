@@ -45,6 +45,9 @@ each pair, with the same engine options ("engine_concurrency_C"); `--decode-buck
 engine its decode buckets (`Engine(decode_buckets=...)`), so one engine of `--max-batch` slots serves
 low concurrencies at a small batch's step.
 
+`--snapshot-timing --preset NAME` (no workload, no weights) times the prefix cache's snapshot save
+and restore calls on caches of the preset's shapes (`snapshot_timing`).
+
 `--step-timing` (in-process, no workload) times the decode step with every slot busy: the engine's
 (`step_timing`: with its serving loop, pipelined calls of `--decode-steps`) against
 `ling_jax.decode.decode_loop`'s at the same batch (`--max-batch`) and context (the top of
@@ -416,8 +419,41 @@ def _parser() -> argparse.ArgumentParser:
                          "slots busy at the top of --prompt-len tokens, against decode_loop's at the same batch "
                          "and context (--output-len's top: steps timed)")
     ap.add_argument("--step-reps", type=int, default=3, help="--step-timing: timed runs per measurement")
+    ap.add_argument("--snapshot-timing", action="store_true",
+                    help="with --preset, instead of a workload: ms per prefix-cache snapshot save and restore")
     ap.add_argument("--out", default="bench/results/serve.json")
     return ap
+
+
+def snapshot_timing(cfg: Any, dtype: str, page_size: int, reps: int) -> dict[str, Any]:
+    """The prefix cache's snapshot cost: ms of one `engine.device.save_snapshot` (a staging row's KDA
+    states and conv windows into a store row) and one `restore_snapshot` (back), each the mean of
+    `reps` calls dispatched back to back after a compiled first call, on caches of the config's shapes
+    (16 store rows); with the bytes one snapshot holds and the copy rate they reach."""
+    import jax
+    import numpy as np
+
+    from ling_jax.cache import nbytes, paged_cache_shapes
+    from ling_jax.engine import device
+
+    staging = device.empty(paged_cache_shapes(cfg, 1, 1, page_size, dtype))
+    store = device.empty(paged_cache_shapes(cfg, 16, 1, page_size, dtype), store=True)
+    row_bytes = nbytes([leaf for path, leaf in jax.tree_util.tree_leaves_with_path(staging["segments"])
+                        if path[-1].key != "pages"])
+    out: dict[str, Any] = {"snapshot_bytes": row_bytes, "reps": reps}
+    for name in ("save", "restore"):
+        for i in range(-1, reps):  # call -1 compiles
+            if i == 0:
+                jax.block_until_ready((staging, store))
+                t0 = time.perf_counter()
+            if name == "save":
+                store = device.save_snapshot(store, staging, np.int32(0), np.int32(i % 16))
+            else:
+                staging = device.restore_snapshot(staging, store, np.int32(i % 16), np.int32(0))
+        jax.block_until_ready((staging, store))
+        ms = 1e3 * (time.perf_counter() - t0) / reps
+        out[f"{name}_ms"], out[f"{name}_GBps"] = ms, 2 * row_bytes / ms / 1e6  # read + write
+    return out
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -441,6 +477,17 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     """The script; `engine_cls` (default `ling_jax.engine.Engine`) builds an in-process engine."""
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.snapshot_timing:
+        if not args.preset or args.url or args.checkpoint:
+            ap.error("--snapshot-timing takes --preset (no weights needed)")
+        from bench.common import machine, write_json
+        from ling_jax.config import LingConfig
+
+        t = snapshot_timing(LingConfig.preset(args.preset), args.dtype, args.page_size, 50)
+        print(f"snapshot of {t['snapshot_bytes'] / 1e6:.1f} MB: save {t['save_ms']:.3f} ms "
+              f"({t['save_GBps']:.0f} GB/s), restore {t['restore_ms']:.3f} ms ({t['restore_GBps']:.0f} GB/s)")
+        print(f"wrote {write_json(args.out, {**machine(), 'args': vars(args), 'snapshot_timing': t})}")
+        return 0
     in_process = bool(args.checkpoint or args.random_weights)
     if bool(args.url) == in_process:
         ap.error("give --url, or --preset NAME --random-weights, or --checkpoint DIR")

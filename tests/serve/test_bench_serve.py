@@ -126,6 +126,23 @@ def test_step_timing(tmp_path):
     assert t["engine_vs_decode_loop"] == pytest.approx(t["engine_ms_per_step"] / t["decode_loop_ms_per_step"])
 
 
+def test_snapshot_timing(tmp_path):
+    """The snapshot cost: save and restore times of the preset's snapshot, whose bytes are the KDA
+    states and conv windows of one row (the engine's prefix pool unit)."""
+    from ling_jax.cache import nbytes, paged_cache_shapes
+    from ling_jax.config import LingConfig
+
+    out = tmp_path / "s.json"
+    assert main(["--preset", "debug", "--snapshot-timing", "--dtype", "float32", "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["snapshot_timing"]
+    cfg = LingConfig.preset("debug")
+    row = paged_cache_shapes(cfg, 1, 1, 64, "float32")["segments"]
+    want = nbytes([c[k] for c in row for k in ("state", "conv") if k in c]
+                  + [c["kda"][k] for c in row if "kda" in c for k in ("state", "conv")])
+    assert t["snapshot_bytes"] == want > 0
+    assert t["save_ms"] > 0 and t["restore_ms"] > 0 and t["reps"] == 50
+
+
 @pytest.mark.parametrize("args", [["--url", "http://x", "--static", "--vocab-size", "9"], ["--url", "http://x"],
                                   ["--random-weights"], [], ["--preset", "debug", "--random-weights",
                                                              "--prompt-len", "5:2"],
@@ -142,7 +159,8 @@ def test_step_timing(tmp_path):
                                   ["--preset", "debug", "--random-weights", "--shared-prefix", "-1"],
                                   ["--preset", "debug", "--random-weights", "--also-concurrency", "2"],
                                   ["--preset", "debug", "--random-weights", "--also-concurrency", "2:65"],
-                                  ["--url", "http://x", "--vocab-size", "9", "--also-concurrency", "1:2"]])
+                                  ["--url", "http://x", "--vocab-size", "9", "--also-concurrency", "1:2"],
+                                  ["--random-weights", "--snapshot-timing"]])
 def test_bad_arguments(args):
     with pytest.raises(SystemExit) as e:
         main(args)
