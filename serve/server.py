@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-tokens", type=int, default=0, help="MTP draft tokens per step (0 = off)")
     ap.add_argument("--prefix-cache", action="store_true", help="reuse the cache of shared prompt prefixes")
     ap.add_argument("--prefix-cache-gb", type=float, default=1.0, help="device memory of the prefix cache")
+    ap.add_argument("--prefix-cache-outputs", action=argparse.BooleanOptionalAction, default=True,
+                    help="cache generated tokens too (snapshots taken by decode steps at page boundaries), so a "
+                         "conversation's next turn reuses the reply")
     ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: $LING_API_KEY)")
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         engine = engine_cls(
             cfg, params, max_batch=args.max_batch, max_len=args.max_len, page_size=args.page_size, mesh=mesh,
             speculative_tokens=args.speculative_tokens, prefix_cache=args.prefix_cache,
-            prefix_cache_gb=args.prefix_cache_gb, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+            prefix_cache_gb=args.prefix_cache_gb, cache_outputs=args.prefix_cache_outputs,
+            max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
             prefill_rows=args.prefill_rows, decode_steps=args.decode_steps, decode_buckets=args.decode_buckets)
         if args.warmup:
             print(f"{_PROG}: compiling the serving shapes", file=sys.stderr, flush=True)

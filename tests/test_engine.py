@@ -185,9 +185,9 @@ def test_decode_buckets_run_the_slots_in_use(model):
     rows = []
 
     class Recorded(Engine):
-        def _decode(self, n, want_lp, table, follow):
+        def _decode(self, n, want_lp, table, *args):
             rows.append(len(table))
-            return super()._decode(n, want_lp, table, follow)
+            return super()._decode(n, want_lp, table, *args)
 
     engine = Recorded(cfg, params, max_batch=4, max_len=64, page_size=8, prefill_chunk=16, decode_steps=3,
                       decode_buckets=[2, 1])

@@ -4,6 +4,7 @@ index's bookkeeping (hits, pins, leaf-first eviction) and its memory bound."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -133,6 +134,59 @@ def test_sharing_under_concurrency_equals_generate(model, rows):
     assert engine.stats()["pages_used"] == len(index.pages)
 
 
+@pytest.mark.parametrize("outputs", [True, False], ids=["outputs-cached", "prompts-only"])
+def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
+    """Conversations of 4 turns from 3 clients over 2 slots (decode buckets 1 and 2), each turn's prompt
+    the last prompt, its reply and 1-6 new tokens: every turn's tokens are `generate`'s of its prompt
+    alone. With output snapshots each later turn reuses the last prompt and the reply up to the page
+    boundary below the reply's last token, or (every other turn, whose prompt + n ends on a page) the
+    end of the reply; with prompt snapshots only, at most the last prompt's boundary below its last
+    token."""
+    cfg, params = model
+    rng = np.random.default_rng(21)
+    firsts = [rng.integers(0, cfg.vocab_size, int(m)).tolist() for m in (5, 9, 14)]
+    news = [[rng.integers(0, cfg.vocab_size, int(rng.integers(1, 7))).tolist() for _ in range(3)] for _ in firsts]
+    lens = [[int(m) for m in rng.integers(4, 11, 4)] for _ in firsts]  # odd turns: up to a page boundary
+    engine = Engine(cfg, params, max_batch=2, max_len=112, page_size=K, prefill_chunk=16, decode_steps=3,
+                    decode_buckets=[1], prefix_cache=True, prefix_cache_gb=0.01, snapshot_pages=2,
+                    cache_outputs=outputs)
+    engine.start()
+    turns: list = [[] for _ in firsts]  # (prompt, tokens, cached_tokens) per turn
+
+    def client(c: int):
+        prompt = firsts[c]
+        for t in range(4):
+            n = lens[c][t] if t % 2 == 0 else 4 + (-len(prompt)) % K
+            h = engine.submit(prompt, _greedy(n))
+            turns[c].append((prompt, h.result(), h.cached_tokens))
+            if t < 3:
+                prompt = prompt + h.result() + news[c][t]
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(firsts))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.shutdown(5)
+    for conv in turns:
+        prompts = [p for p, _, _ in conv]
+        want = _expected(cfg, params, prompts, 10)
+        assert [tok for _, tok, _ in conv] == [w[:len(tok)] for w, (_, tok, _) in zip(want, conv, strict=True)]
+        for (prev, out, _), (prompt, _, cached) in itertools.pairwise(conv):
+            below = (len(prompt) - 1) // K * K  # a hit leaves the last token to prefill
+            if outputs:
+                end = len(prev) + len(out)
+                want = end if end % K == 0 else (end - 1) // K * K
+                assert cached == min(want, below), (len(prev), len(out), len(prompt), cached)
+            else:
+                assert cached <= (len(prev) - 1) // K * K
+    if outputs:
+        assert engine.stats()["prefix_output_snapshots"] > 0
+    assert all(r == 0 for r in engine.prefix.refs.values()) and not engine.prefix.pinned
+
+
 def _next(it, lock):
     with lock:
         return next(it, None)
@@ -141,7 +195,8 @@ def _next(it, lock):
 def test_eviction_and_rebuild_equal_generate(model):
     """A pool and snapshot store too small to keep every prefix: cached pages and snapshots are
     evicted (least recently used first) to admit new requests, evicted prefixes are rebuilt when
-    their prompts return, and every request's tokens are still `generate`'s."""
+    their prompts return, and every request's tokens are still `generate`'s (prompt snapshots only, so
+    that which prefix is evicted when is known)."""
     cfg, params = model
     rng = np.random.default_rng(2)
     systems = [rng.integers(0, cfg.vocab_size, 24).tolist() for _ in range(4)]
@@ -151,7 +206,7 @@ def test_eviction_and_rebuild_equal_generate(model):
     row = probe.prefix_bytes // len(probe.prefix.free_rows)
     # 2 requests' worth of pages (10 each) + page 0; two snapshot rows
     engine = Engine(cfg, params, max_batch=1, max_len=40, page_size=K, num_pages=21, prefill_chunk=16,
-                    prefix_cache=True, prefix_cache_gb=2.5 * row / 1e9)
+                    prefix_cache=True, prefix_cache_gb=2.5 * row / 1e9, cache_outputs=False)
     assert engine.prefix_bytes == 2 * row and engine.prefix_bytes <= 2.5 * row
     got = _run(engine, prompts, 5)
     assert [t for t, _ in got] == _expected(cfg, params, prompts, 5)

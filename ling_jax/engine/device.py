@@ -254,11 +254,15 @@ def cache_page_size(cache: Cache) -> int:
                 if path[-1].key == "pages")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+SNAPSHOTS_PER_STEP = 2  # output snapshots one decode step may take (`decode_steps`' snap_rows_SM)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 15))
 def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: bool, params: Params, cache: Cache,
                  n_steps: jax.Array, page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array,
                  keys_B: jax.Array, index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
-                 top_p_B: jax.Array) -> tuple[Cache, dict[str, Any]]:
+                 top_p_B: jax.Array, store: Cache | None = None, snap_rows_SM: jax.Array | None = None,
+                 snap_dst_SM: jax.Array | None = None) -> tuple[Cache, Cache | None, dict[str, Any]]:
     """n_steps (int32 scalar, 1 <= n_steps <= `steps`) decode steps of slots 0 .. R - 1, R = the length of
     the per-row inputs (R <= B, the cache's slots; the engine's decode buckets): the slots from R on are
     left as they are, and each R compiles once. Row b consumes its
@@ -271,7 +275,12 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     (lengths[b] + n_steps - 1). Returns (cache with "tokens" the last step's samples, {"tokens":
     [steps, B]} and with `with_logprobs` the sampled tokens' log-probabilities [steps, B] and top
     tokens [steps, B, n]; entries of steps i >= n_steps are zeros). `params`: with the fused decode
-    weights (`decode.fuse_for_decode`)."""
+    weights (`decode.fuse_for_decode`).
+
+    With a prefix-cache `store` (output snapshots): after step i, for each m, row snap_rows_SM[i, m]
+    (< R; R or more: none) has its KDA states and conv windows copied into store row snap_dst_SM[i, m]
+    ([steps, SNAPSHOTS_PER_STEP] int32): the state after the positions up to lengths[b] + i, a page
+    boundary the engine chose. Returns (cache, store or None, outputs)."""
     b = tokens_B.shape[0]
     whole = cache
     cache = _first_rows(cache, b)
@@ -281,22 +290,28 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     n = TOP_LOGPROBS
 
     def body(i, carry):
-        cache, tok, out = carry
+        cache, store, tok, out = carry
         cache, logits = decode_step(cfg, kernels, params, cache, tok, page_table=page_table_BN)
+        if store is not None:
+            for m in range(SNAPSHOTS_PER_STEP):
+                row, dst = snap_rows_SM[i, m], snap_dst_SM[i, m]
+                store = jax.lax.cond(row < b, lambda st, row=row, dst=dst: _copy_row(st, cache, row, dst),
+                                     lambda st: st, store)
         nxt = sample(logits, keys, index_B + i, temperature_B, top_k_B, top_p_B)
         out = {**out, "tokens": out["tokens"].at[i].set(nxt)}
         if with_logprobs:
             lp, ids, lps = logprobs(logits, nxt, n)
             out = {**out, "logprob": out["logprob"].at[i].set(lp), "top_ids": out["top_ids"].at[i].set(ids),
                    "top_logprobs": out["top_logprobs"].at[i].set(lps)}
-        return cache, nxt, out
+        return cache, store, nxt, out
 
     out: dict[str, Any] = {"tokens": jnp.zeros((steps, b), jnp.int32)}
     if with_logprobs:
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
-    cache, last, out = jax.lax.fori_loop(0, n_steps, body, (cache, tokens_B, out))
-    return _put_first_rows(whole, {**cache, "tokens": last}), out
+    cache, store, last, out = jax.lax.fori_loop(0, n_steps, body, (cache, store, tokens_B, out))
+    return (_put_first_rows(whole, {**cache, "tokens": last}), _placed(store, store=True) if store is not None
+            else None, out)
 
 
 def _first_rows(cache: Cache, r: int) -> Cache:

@@ -26,7 +26,13 @@ request ends, shared by reference count, and KDA snapshots are taken at page bou
 (the last one below each prompt's last token, and every `snapshot_pages` pages of long prompts) into
 a device store of `prefix_cache_gb`; a request whose prompt starts with a cached prefix restores the
 deepest snapshot with all its pages and prefills only the rest (`RequestHandle.cached_tokens`).
-Unused cached pages are evicted, least recently used first, when the pool runs short.
+Unused cached pages are evicted, least recently used first, when the pool runs short. With
+`cache_outputs` (plain decoding) the decode calls extend this to the new tokens: where a row's
+positions reach a page boundary within its max_tokens, the call copies the row's KDA state after that
+boundary into a store row (at most `device.SNAPSHOTS_PER_STEP` rows per step), and once the call's
+tokens are read its full pages are indexed under the prompt-and-output tokens with that snapshot (the
+request's previous output snapshot dropped), so the next turn of a conversation (its prompt the last
+prompt, the reply and new tokens) reuses the reply as well.
 
 Speculative decoding (`speculative_tokens=k`, a model with an MTP layer): each loop iteration runs
 one speculative call over every slot instead of the decode calls (`device.speculative_step`: k MTP
@@ -96,6 +102,8 @@ class _Slot:
     srow: int | None = None  # the staging row that carries its prompt between chunks, while it has one
     keys: list[bytes] = dataclasses.field(default_factory=list)  # the prompt's full pages' keys
     fresh: list[int] = dataclasses.field(default_factory=list)  # speculation: the tokens its last call accepted
+    out_snaps: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (boundary, store row) in flight
+    out_key: bytes | None = None  # the key of its deepest output snapshot in the index
 
     @property
     def decoding(self) -> bool:
@@ -139,7 +147,9 @@ class Engine:
     (plain decoding; with speculation every call runs all slots); `max_waiting`:
     queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
     every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
-    `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`: the prefix cache (module doc);
+    `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`, `cache_outputs`: the prefix cache (module doc;
+    `cache_outputs`: decode steps snapshot at page boundaries too, so a prompt that continues a
+    request's output reuses it);
     `speculative_tokens`: k MTP drafts per speculative call (0: plain decoding; k > 0 needs an MTP
     layer, else ValueError).
 
@@ -153,7 +163,7 @@ class Engine:
                  prefill_rows: int = 1, token_budget: int | None = None, decode_steps: int = 8,
                  decode_buckets: Sequence[int] | None = None, max_waiting: int = 256, mesh: Any = None,
                  unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
-                 prefix_cache_gb: float = 1.0, snapshot_pages: int = 32):
+                 prefix_cache_gb: float = 1.0, snapshot_pages: int = 32, cache_outputs: bool = True):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
                                ("prefill_chunk", prefill_chunk, 1), ("prefill_rows", prefill_rows, 1),
                                ("decode_steps", decode_steps, 1),
@@ -239,7 +249,9 @@ class Engine:
         self._admitting = True
         self._drain_deadline: float | None = None
         self._admitted = 0
-        self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool] | None = None  # the decode call running
+        # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (row, boundary, step))
+        self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int]]] | None = None
+        self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "prefill_chunks_total": 0, "prefill_calls_total": 0, "decode_calls_total": 0}
         if self.spec:
@@ -338,7 +350,7 @@ class Engine:
             return out
 
         def decode(rows: int, lp: bool) -> Any:
-            self.cache, out = self._decode(1, lp, zeros_table[:rows], none[:rows])
+            self.cache, out = self._decode(1, lp, zeros_table[:rows], none[:rows], [])
             return out
 
         def snapshot_round_trip() -> Any:  # the store is left as it was
@@ -621,6 +633,8 @@ class Engine:
             # a call's steps stay within every row's page table (positions < max_pages * page_size)
             room = min(self.max_pages * self.page_size - s.length for _, s in active)
             steps = 1 if busy else min(self.decode_steps, room)
+            if self.cache_outputs:
+                steps = self._past_aligned_ends(active, steps, min(self.decode_steps, room))
             rows = next(b for b in self.decode_buckets if b > active[-1][0])
             table = np.zeros((rows, self.max_pages), np.int32)
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
@@ -631,18 +645,74 @@ class Engine:
                 if i < rows:  # a row past this call's bucket ended
                     follow[i] = self.slots[i] is s
             want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
-            self.cache, out = self._decode(steps, want_lp, table, follow)
+            snaps = self._output_snapshots(active, steps) if self.cache_outputs else []
+            self.cache, out = self._decode(steps, want_lp, table, follow, snaps)
             for _, s in active:
                 s.length += steps
                 s.dispatched += steps
-            self._flight = (out, active, steps, want_lp)
+            self._flight = (out, active, steps, want_lp, snaps)
             self.counters["decode_calls_total"] += 1
         if prev:
             self._deliver(*prev)
 
-    def _deliver(self, out: Any, rows: list[tuple[int, _Slot]], steps: int, want_lp: bool) -> None:
-        """Delivers a decode call's tokens to the requests still in their slots; stops at each one's end."""
+    def _past_aligned_ends(self, active: list[tuple[int, _Slot]], steps: int, most: int) -> int:
+        """The step count for a call (`steps`, or the nearest count up to `most` that fits): a row whose
+        prompt + max_tokens ends on a page boundary must not dispatch its last token in the call's last
+        step, so that a step of the same call feeds that token and snapshots the boundary (its tokens
+        read, and the snapshot indexed, before the request ends)."""
+        ends = {s.handle.sampling.max_tokens - s.dispatched for _, s in active
+                if (len(s.prompt) + s.handle.sampling.max_tokens) % self.page_size == 0}
+        if steps not in ends:
+            return steps
+        return next((n for n in (steps + 1, *range(steps - 1, 0, -1)) if n <= most and n not in ends), steps)
+
+    def _output_snapshots(self, active: list[tuple[int, _Slot]], steps: int) -> list[tuple[int, int, int]]:
+        """The output snapshots a decode call of `steps` steps takes (prefix cache): (slot, boundary, step)
+        for each row whose positions reach a page boundary within the call and within its max_tokens
+        (the state after the boundary's last position, at step boundary - 1 - length), at most
+        `SNAPSHOTS_PER_STEP` per step, each into a store row taken now (`_Slot.out_snaps`)."""
+        k, per_step, snaps = self.page_size, [0] * steps, []
+        for i, s in active:
+            b = (s.length + steps) // k * k
+            if not (s.length < b <= len(s.prompt) + s.handle.sampling.max_tokens):
+                continue
+            t = b - 1 - s.length
+            if per_step[t] == device.SNAPSHOTS_PER_STEP:
+                continue
+            with self._lock:
+                row = self.prefix.take_row()
+            if row is None:
+                break
+            per_step[t] += 1
+            s.out_snaps.append((b, row))
+            snaps.append((i, b, t))
+        return snaps
+
+    def _index_output(self, s: _Slot, b: int, row: int, tokens: list[int]) -> None:
+        """Indexes the pages of slot s's first `b` positions (a page boundary its decode call reached)
+        and the snapshot its call took there in store row `row`; `tokens` holds its new tokens up to
+        position b - 1 at least. Its previous output snapshot, now shallower, is dropped."""
+        seq = np.concatenate([s.prompt, np.asarray(tokens[:b - len(s.prompt)], np.int32)])
+        keys = page_keys(seq, self.page_size)
+        s.out_snaps.remove((b, row))
+        with self._lock:
+            self.prefix.add_pages(keys, s.pages[:len(keys)])
+            if self.prefix.put_snapshot(keys[-1], row):
+                if s.out_key is not None:
+                    self.prefix.drop_snapshot(s.out_key)
+                s.out_key = keys[-1]
+                self.prefix.counters["prefix_output_snapshots"] += 1
+
+    def _deliver(self, out: Any, rows: list[tuple[int, _Slot]], steps: int, want_lp: bool,
+                 snaps: list[tuple[int, int, int]]) -> None:
+        """Delivers a decode call's tokens to the requests still in their slots; stops at each one's end.
+        First indexes the call's output snapshots of the rows still running (their tokens are now known)."""
         out = jax.device_get(out)
+        for i, b, t in snaps:
+            s = next(s for j, s in rows if j == i)
+            if self.slots[i] is s:  # else ended: `_release` gave its rows back
+                row = next(r for bb, r in s.out_snaps if bb == b)
+                self._index_output(s, b, row, s.handle.tokens + out["tokens"][:t, i].tolist())
         for i, s in rows:
             for t in range(steps):
                 if self.slots[i] is not s:  # finished or cancelled: the rest of its tokens are dropped
@@ -651,8 +721,10 @@ class Engine:
                     else (0.0, None, None)
                 self._emit(i, s, int(out["tokens"][t, i]), *lp)
 
-    def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray) -> tuple[Any, Any]:
-        """Dispatches `device.decode_steps` over the first len(table) slots (a decode bucket)."""
+    def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray,
+                snaps: list[tuple[int, int, int]]) -> tuple[Any, Any]:
+        """Dispatches `device.decode_steps` over the first len(table) slots (a decode bucket), taking the
+        output snapshots `snaps` ((slot, boundary, step); prefix cache)."""
         r = len(table)
         tokens, keys = np.zeros(r, np.int32), np.zeros((r, 2), np.uint32)
         index, temp = np.zeros(r, np.int32), np.zeros(r, np.float32)
@@ -662,8 +734,20 @@ class Engine:
                 sp = s.handle.sampling
                 tokens[i], keys[i], index[i] = s.last, s.key, s.dispatched
                 temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
-        return device.decode_steps(self.config, self.k_decode, self.decode_steps, want_lp, self.params, self.cache,
-                                   np.int32(steps), table, tokens, follow, keys, index, temp, top_k, top_p)
+        store = rows_SM = dst_SM = None
+        if self.cache_outputs:
+            rows_SM = np.full((self.decode_steps, device.SNAPSHOTS_PER_STEP), r, np.int32)
+            dst_SM = np.zeros_like(rows_SM)
+            for i, b, t in snaps:
+                m = int(np.argmax(rows_SM[t] == r))
+                rows_SM[t, m], dst_SM[t, m] = i, next(row for bb, row in self.slots[i].out_snaps if bb == b)
+            store = self.store
+        cache, store, out = device.decode_steps(
+            self.config, self.k_decode, self.decode_steps, want_lp, self.params, self.cache, np.int32(steps), table,
+            tokens, follow, keys, index, temp, top_k, top_p, store, rows_SM, dst_SM)
+        if store is not None:
+            self.store = store
+        return cache, out
 
     def _speculate_round(self) -> None:
         """One speculative call over every slot past its prompt, then each row's accepted tokens delivered
@@ -730,6 +814,9 @@ class Engine:
             self.prefix.restored(s.restore)
         if s.srow is not None:
             self._free_srows.append(s.srow)
+        for _, row in s.out_snaps:  # a decode call in flight may still write it: device order keeps that first
+            self.prefix.free_row(row)
+        s.out_snaps.clear()
         self.pool.reserved -= s.reserved
         s.handle.finish(reason, error)  # type: ignore[arg-type]
 

@@ -1,5 +1,5 @@
-"""The prefix cache's index: prompt pages shared by reference count, KDA state snapshots at page
-boundaries, both evicted least recently used first.
+"""The prefix cache's index: prompt and output pages shared by reference count, KDA state snapshots at
+page boundaries, both evicted least recently used first.
 
 Pages are named by a hash chain over their tokens (page i's key hashes page i-1's key and its own K
 token ids), so a key names the whole prefix up to the end of its page. A page in the index holds the
@@ -61,7 +61,7 @@ class PrefixIndex:
         self.free_rows = list(range(snapshot_rows - 1, -1, -1))
         self.pinned: dict[int, int] = {}  # store row -> admitted requests yet to restore it
         self.counters = {"prefix_hits": 0, "prefix_misses": 0, "prefix_cached_tokens": 0,
-                         "prefix_page_evictions": 0, "prefix_snapshot_evictions": 0}
+                         "prefix_page_evictions": 0, "prefix_snapshot_evictions": 0, "prefix_output_snapshots": 0}
 
     def lookup(self, prompt: np.ndarray) -> Hit:
         """The deepest reusable prefix of `prompt`: a boundary below its last token with every page
@@ -132,15 +132,42 @@ class PrefixIndex:
         one already; the least recently used snapshot gives its row where none is free."""
         if key in self.snapshots or key not in self.pages:
             return None
+        row = self.take_row()
+        if row is not None:
+            self.snapshots[key] = row
+        return row
+
+    def take_row(self) -> int | None:
+        """A store row for a snapshot whose prefix is not known yet (a decode step's, `put_snapshot` or
+        `free_row` later): a free row, or the least recently used unpinned snapshot's; None if none."""
         if not self.free_rows:
             old = next((k for k, r in self.snapshots.items() if r not in self.pinned), None)
             if old is None:
                 return None
             self.free_rows.append(self.snapshots.pop(old))
             self.counters["prefix_snapshot_evictions"] += 1
-        row = self.free_rows.pop()
+        return self.free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        """Gives back a row from `take_row` that holds no snapshot to keep."""
+        self.free_rows.append(row)
+
+    def put_snapshot(self, key: bytes, row: int) -> bool:
+        """Indexes row `row` (from `take_row`) as the snapshot after the prefix `key`; False (the row given
+        back) where `key` has one already or is not an indexed page's."""
+        if key in self.snapshots or key not in self.pages:
+            self.free_rows.append(row)
+            return False
         self.snapshots[key] = row
-        return row
+        return True
+
+    def drop_snapshot(self, key: bytes) -> None:
+        """Removes the snapshot after `key` (a shallower one its request has passed), unless an admitted
+        request is yet to restore it."""
+        row = self.snapshots.get(key)
+        if row is not None and row not in self.pinned:
+            del self.snapshots[key]
+            self.free_rows.append(row)
 
     def evictable(self) -> int:
         return sum(1 for p in self.pages.values() if self.refs[p] == 0)
