@@ -42,6 +42,21 @@ def test_decode_probe_scripts_run(tmp_path, script, args):
     assert all(g is True for g in got) if script == "decode_sync.py" else all(g < 1e-2 for g in got), runs
 
 
+@pytest.mark.heavy
+def test_train_parts_runs(tmp_path):
+    """bench/experiments/train_parts.py (the train step's first-call cost in parts) on the CPU: trace and
+    lower, compile and steps timed, the loss finite."""
+    import math
+
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "experiments" / "train_parts.py"), "--smoke", "--out",
+                    str(out)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = json.loads(out.read_text())
+    assert r["trace_lower_s"] > 0 and r["compile_s"] > 0 and r["stablehlo_chars"] > 0
+    assert len(r["steps_s"]) == 2 and r["step_s"] == r["steps_s"][1] and math.isfinite(r["loss"])
+
+
 @pytest.mark.parametrize(("depth", "unroll"), [(0, False), (2, False), (1, True)])
 def test_persistent_chain_stages_match_the_reference(depth, unroll):
     """bench/experiments/persistent_layer.py's stage code (run one launch per stage: interpret mode cannot spin

@@ -254,7 +254,7 @@ def cache_page_size(cache: Cache) -> int:
                 if path[-1].key == "pages")
 
 
-SNAPSHOTS_PER_STEP = 2  # output snapshots one decode step may take (`decode_steps`' snap_rows_SM)
+SNAPSHOTS_PER_STEP = 4  # output snapshots one decode step may take (`decode_steps`' snap_rows_SM)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 15))
@@ -293,10 +293,14 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
         cache, store, tok, out = carry
         cache, logits = decode_step(cfg, kernels, params, cache, tok, page_table=page_table_BN)
         if store is not None:
-            for m in range(SNAPSHOTS_PER_STEP):
-                row, dst = snap_rows_SM[i, m], snap_dst_SM[i, m]
-                store = jax.lax.cond(row < b, lambda st, row=row, dst=dst: _copy_row(st, cache, row, dst),
-                                     lambda st: st, store)
+            def snapshots(st: Cache) -> Cache:
+                for m in range(SNAPSHOTS_PER_STEP):
+                    row, dst = snap_rows_SM[i, m], snap_dst_SM[i, m]
+                    st = jax.lax.cond(row < b, lambda st, row=row, dst=dst: _copy_row(st, cache, row, dst),
+                                      lambda st: st, st)
+                return st
+
+            store = jax.lax.cond(jnp.any(snap_rows_SM[i] < b), snapshots, lambda st: st, store)
         nxt = sample(logits, keys, index_B + i, temperature_B, top_k_B, top_p_B)
         out = {**out, "tokens": out["tokens"].at[i].set(nxt)}
         if with_logprobs:

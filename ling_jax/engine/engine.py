@@ -252,6 +252,7 @@ class Engine:
         # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (row, boundary, step))
         self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int]]] | None = None
         self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
+        self._draining: list[_Slot] = []  # ended requests whose pages wait for a call in flight's snapshot
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                          "prefill_chunks_total": 0, "prefill_calls_total": 0, "decode_calls_total": 0}
         if self.spec:
@@ -394,6 +395,9 @@ class Engine:
 
     def _iterate(self) -> bool:
         """One loop iteration: cancellations, admissions, prefill chunks, decode steps. False to stop."""
+        if self._draining and self._flight is not None:  # an ended request's last snapshot before admitting
+            prev, self._flight = self._flight, None
+            self._deliver(*prev)
         with self._lock:
             self._apply_cancellations()
             draining = not self._admitting
@@ -627,14 +631,12 @@ class Engine:
             return
         prev, self._flight = self._flight, None
         active = [(i, s) for i, s in enumerate(self.slots)
-                  if s is not None and s.decoding and s.dispatched < s.handle.sampling.max_tokens]
+                  if s is not None and s.decoding and self._steps_left(s) > 0]
         if active:
             busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
             # a call's steps stay within every row's page table (positions < max_pages * page_size)
             room = min(self.max_pages * self.page_size - s.length for _, s in active)
             steps = 1 if busy else min(self.decode_steps, room)
-            if self.cache_outputs:
-                steps = self._past_aligned_ends(active, steps, min(self.decode_steps, room))
             rows = next(b for b in self.decode_buckets if b > active[-1][0])
             table = np.zeros((rows, self.max_pages), np.int32)
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
@@ -655,16 +657,12 @@ class Engine:
         if prev:
             self._deliver(*prev)
 
-    def _past_aligned_ends(self, active: list[tuple[int, _Slot]], steps: int, most: int) -> int:
-        """The step count for a call (`steps`, or the nearest count up to `most` that fits): a row whose
-        prompt + max_tokens ends on a page boundary must not dispatch its last token in the call's last
-        step, so that a step of the same call feeds that token and snapshots the boundary (its tokens
-        read, and the snapshot indexed, before the request ends)."""
-        ends = {s.handle.sampling.max_tokens - s.dispatched for _, s in active
-                if (len(s.prompt) + s.handle.sampling.max_tokens) % self.page_size == 0}
-        if steps not in ends:
-            return steps
-        return next((n for n in (steps + 1, *range(steps - 1, 0, -1)) if n <= most and n not in ends), steps)
+    def _steps_left(self, s: _Slot) -> int:
+        """Decode steps slot s still dispatches: one per new token after the first, and with output
+        snapshots one more where prompt + max_tokens ends on a page boundary (it feeds the last token,
+        so that the boundary's snapshot can be taken)."""
+        m = s.handle.sampling.max_tokens
+        return m - s.dispatched + int(self.cache_outputs and (len(s.prompt) + m) % self.page_size == 0)
 
     def _output_snapshots(self, active: list[tuple[int, _Slot]], steps: int) -> list[tuple[int, int, int]]:
         """The output snapshots a decode call of `steps` steps takes (prefix cache): (slot, boundary, step)
@@ -710,9 +708,13 @@ class Engine:
         out = jax.device_get(out)
         for i, b, t in snaps:
             s = next(s for j, s in rows if j == i)
-            if self.slots[i] is s:  # else ended: `_release` gave its rows back
-                row = next(r for bb, r in s.out_snaps if bb == b)
+            row = next((r for bb, r in s.out_snaps if bb == b), None)
+            if row is not None:  # else cancelled: `_give_back` freed its rows
                 self._index_output(s, b, row, s.handle.tokens + out["tokens"][:t, i].tolist())
+        for s in [s for s in self._draining if not s.out_snaps]:
+            self._draining.remove(s)
+            with self._lock:
+                self._give_back(s)
         for i, s in rows:
             for t in range(steps):
                 if self.slots[i] is not s:  # finished or cancelled: the rest of its tokens are dropped
@@ -809,20 +811,29 @@ class Engine:
         self.slots[i] = None
         if s is None:
             return
-        self.pool.give_back(self.prefix.release(s.pages) if self.prefix is not None else s.pages)
         if s.restore is not None:
             self.prefix.restored(s.restore)
         if s.srow is not None:
             self._free_srows.append(s.srow)
-        for _, row in s.out_snaps:  # a decode call in flight may still write it: device order keeps that first
-            self.prefix.free_row(row)
-        s.out_snaps.clear()
+        if s.out_snaps and reason in ("stop", "length"):
+            self._draining.append(s)  # its pages stay until the call in flight is read (`_deliver`)
+        else:
+            self._give_back(s)
         self.pool.reserved -= s.reserved
         s.handle.finish(reason, error)  # type: ignore[arg-type]
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         with self._lock:
             self._finish_all_locked(reason, error)
+
+    def _give_back(self, s: _Slot) -> None:
+        """Returns an ended request's pages (those the prefix index does not hold) and its output
+        snapshot rows not indexed (a decode call in flight may still write one: the device runs calls in
+        order, so a later user of the row sees the later write)."""
+        self.pool.give_back(self.prefix.release(s.pages) if self.prefix is not None else s.pages)
+        for _, row in s.out_snaps:
+            self.prefix.free_row(row)
+        s.out_snaps.clear()
 
     def _finish_all_locked(self, reason: str, error: str | None = None) -> None:
         for h in self.waiting:
@@ -831,6 +842,9 @@ class Engine:
         self.waiting.clear()
         for i in range(self.max_batch):
             self._release(i, reason, error)
+        for s in self._draining:
+            self._give_back(s)
+        self._draining.clear()
 
 
 class _nullcontext:
