@@ -134,7 +134,8 @@ def test_sharing_under_concurrency_equals_generate(model, rows):
     assert engine.stats()["pages_used"] == len(index.pages)
 
 
-@pytest.mark.parametrize("outputs", [True, False], ids=["outputs-cached", "prompts-only"])
+@pytest.mark.parametrize("outputs", [True, pytest.param(False, marks=pytest.mark.heavy)],
+                         ids=["outputs-cached", "prompts-only"])
 def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
     """Conversations of 4 turns from 3 clients over 2 slots (decode buckets 1 and 2), each turn's prompt
     the last prompt, its reply and 1-6 new tokens: every turn's tokens are `generate`'s of its prompt
@@ -185,6 +186,7 @@ def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
     if outputs:
         assert engine.stats()["prefix_output_snapshots"] > 0
     assert all(r == 0 for r in engine.prefix.refs.values()) and not engine.prefix.pinned
+    assert engine.stats()["pages_used"] == len(engine.prefix.pages)  # the pool holds cached pages only
 
 
 def _next(it, lock):

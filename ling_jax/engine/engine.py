@@ -395,9 +395,6 @@ class Engine:
 
     def _iterate(self) -> bool:
         """One loop iteration: cancellations, admissions, prefill chunks, decode steps. False to stop."""
-        if self._draining and self._flight is not None:  # an ended request's last snapshot before admitting
-            prev, self._flight = self._flight, None
-            self._deliver(*prev)
         with self._lock:
             self._apply_cancellations()
             draining = not self._admitting
@@ -411,7 +408,7 @@ class Engine:
                 if all(s is None for s in self.slots):
                     return False
             self._admit()
-            if all(s is None for s in self.slots):
+            if all(s is None for s in self.slots) and self._flight is None:
                 self._wake.wait(timeout=0.1)
                 return True
         self._prefill()
@@ -435,6 +432,8 @@ class Engine:
         while self.waiting and None in self.slots:
             h = self.waiting[0]
             prompt, key = self._pending[h.id]
+            if self._draining and self._continues(prompt):
+                return  # the reply it continues has a snapshot in the call in flight: reuse it next round
             # prompt log-probabilities need the whole prompt run, so such a request reads no cached prefix
             reuse = self.prefix is not None and h.sampling.prompt_logprobs is None
             hit = self.prefix.lookup(prompt) if reuse else None
@@ -463,6 +462,15 @@ class Engine:
                     slot.restore, h.cached_tokens = hit.row, hit.length
             self.slots[self.slots.index(None)] = slot
             self.counters["prompt_tokens_total"] += len(prompt)
+
+    def _continues(self, prompt: np.ndarray) -> bool:
+        """Whether `prompt` continues the prompt and reply of a request whose pages wait for a snapshot."""
+        for s in self._draining:
+            n, m = len(s.prompt), len(s.handle.tokens)
+            if len(prompt) > n + m and np.array_equal(prompt[:n], s.prompt) and \
+                    np.array_equal(prompt[n:n + m], s.handle.tokens):
+                return True
+        return False
 
     def _pages_for(self, slot: _Slot, tokens: int) -> None:
         """Gives the slot pages for its first `tokens` positions (out of its reservation)."""
