@@ -32,7 +32,10 @@ positions reach a page boundary within its max_tokens, the call copies the row's
 boundary into a store row (at most `device.SNAPSHOTS_PER_STEP` rows per step), and once the call's
 tokens are read its full pages are indexed under the prompt-and-output tokens with that snapshot (the
 request's previous output snapshot dropped), so the next turn of a conversation (its prompt the last
-prompt, the reply and new tokens) reuses the reply as well.
+prompt, the reply and new tokens) reuses the reply as well. A request whose prompt + max_tokens ends
+on a page boundary takes one step more (it feeds its last token); if that step's call is still in
+flight when the request ends, its pages wait for it, and a waiting prompt that continues that reply
+is admitted a round later, once the snapshot is indexed.
 
 Speculative decoding (`speculative_tokens=k`, a model with an MTP layer): each loop iteration runs
 one speculative call over every slot instead of the decode calls (`device.speculative_step`: k MTP
