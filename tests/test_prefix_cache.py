@@ -118,14 +118,7 @@ def test_sharing_under_concurrency_equals_generate(model, rows):
             h = engine.submit(prompts[i], _greedy(n[i]))
             results[i] = (h.result(), h.cached_tokens)
 
-    threads = [threading.Thread(target=client) for _ in range(6)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        engine.shutdown(5)
+    _run_clients(engine, [threading.Thread(target=client) for _ in range(6)])
     want = _expected(cfg, params, prompts, max(n))
     assert [r[0] for r in results] == [w[:m] for w, m in zip(want, n, strict=True)]
     assert sum(r[1] > 0 for r in results) >= 9  # most requests found their system prompt cached
@@ -163,14 +156,7 @@ def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
             if t < 3:
                 prompt = prompt + h.result() + news[c][t]
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(firsts))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        engine.shutdown(5)
+    _run_clients(engine, [threading.Thread(target=client, args=(c,)) for c in range(len(firsts))])
     for conv in turns:
         prompts = [p for p, _, _ in conv]
         want = _expected(cfg, params, prompts, 10)
@@ -187,6 +173,17 @@ def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
         assert engine.stats()["prefix_output_snapshots"] > 0
     assert all(r == 0 for r in engine.prefix.refs.values()) and not engine.prefix.pinned
     assert engine.stats()["pages_used"] == len(engine.prefix.pages)  # the pool holds cached pages only
+
+
+def _run_clients(engine, threads):
+    """Runs the client threads to their end, then shuts the (started) engine down."""
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.shutdown(5)
 
 
 def _next(it, lock):
