@@ -175,6 +175,29 @@ def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
     assert engine.stats()["pages_used"] == len(engine.prefix.pages)  # the pool holds cached pages only
 
 
+def test_next_turn_waits_for_the_reply_snapshot_in_flight(model):
+    """One step per call: a reply that ends on a page boundary (6 + 6 tokens, pages of 4) feeds its last
+    token in the call after the one that samples it, so when the request ends that call is still in
+    flight and its pages wait for it; the next turn, submitted right then, is admitted a round later
+    and reuses all 12 tokens (not the 8 of the reply's previous boundary), with `generate`'s tokens."""
+    cfg, params = model
+    rng = np.random.default_rng(31)
+    first = rng.integers(0, cfg.vocab_size, 6).tolist()
+    engine = Engine(cfg, params, max_batch=2, max_len=64, page_size=K, prefill_chunk=16, decode_steps=1,
+                    prefix_cache=True, prefix_cache_gb=0.01)
+    h = engine.submit(first, _greedy(6))
+    while not h.finished:
+        engine._iterate()
+    assert engine._draining and engine.pool.used > len(engine.prefix.pages)
+    second = first + h.result() + rng.integers(0, cfg.vocab_size, 3).tolist()
+    h2 = engine.submit(second, _greedy(5))
+    while not h2.finished:
+        engine._iterate()
+    assert h2.cached_tokens == 12 and h2.result() == _expected(cfg, params, [second], 5)[0]
+    engine._iterate()  # the call in flight read: nothing waits, the pool holds cached pages only
+    assert not engine._draining and engine.pool.used == len(engine.prefix.pages)
+
+
 def _run_clients(engine, threads):
     """Runs the client threads to their end, then shuts the (started) engine down."""
     try:
