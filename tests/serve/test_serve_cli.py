@@ -149,7 +149,7 @@ def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir, k):
         assert [x for x in proc.stdout.read().splitlines() if x.startswith("ling-serve: ")] == ["ling-serve: stopped"]
         err = proc.stderr.read()  # each serving shape reported as it compiles, then the total
         assert re.search(r"ling-serve: compiled prefill 1 x 16 \(1/\d+\) in [\d.]+ s", err), err
-        last = "speculative step" if k else r"decode 1(-\d+)? steps?"
+        last = "speculative step" if k else r"decode \d+ slots, 1(-\d+)? steps?"
         assert re.search(rf"ling-serve: compiled {last} \(\d+/\d+\)", err) and "ling-serve: compiled in" in err
     finally:
         if proc.poll() is None:
