@@ -159,10 +159,14 @@ def percentiles(xs: Sequence[float | None]) -> dict[str, float | None]:
     return {"p50": float(np.percentile(vals, 50)), "p99": float(np.percentile(vals, 99))}
 
 
+SLOWEST = 5  # requests of longest TTFT `summarize` lists
+
+
 def summarize(results: Sequence[Result]) -> dict[str, Any]:
     """Throughputs over the whole run and per-request latency percentiles; where the target says how
     many prompt tokens its prefix cache served, "prefix": those tokens, the requests that had any, and
-    the hit rate (cached prompt tokens / prompt tokens)."""
+    the hit rate (cached prompt tokens / prompt tokens); "slowest_ttft": the `SLOWEST` requests of
+    longest TTFT (start after the run's first, TTFT, prompt and output tokens), where a tail comes from."""
     t0, t1 = min(r.start for r in results), max(r.end for r in results)
     dur = t1 - t0
     n_out, n_prompt = sum(r.n_out for r in results), sum(r.n_prompt for r in results)
@@ -171,7 +175,10 @@ def summarize(results: Sequence[Result]) -> dict[str, Any]:
            "total_tokens_per_s": (n_out + n_prompt) / dur, "ttft_s": percentiles([r.ttft for r in results]),
            "tpot_s": percentiles([r.tpot for r in results]),
            "e2e_s": percentiles([r.end - r.start for r in results]),
-           "mean_e2e_s": statistics.fmean(r.end - r.start for r in results)}
+           "mean_e2e_s": statistics.fmean(r.end - r.start for r in results),
+           "slowest_ttft": [{"start_s": r.start - t0, "ttft_s": r.ttft, "prompt_tokens": r.n_prompt,
+                             "output_tokens": r.n_out}
+                            for r in sorted(results, key=lambda r: -(r.ttft or 0.0))[:SLOWEST]]}
     if all(r.cached is not None for r in results):
         cached = sum(r.cached or 0 for r in results)
         out["prefix"] = {"cached_prompt_tokens": cached, "requests_with_hit": sum(bool(r.cached) for r in results),
@@ -282,7 +289,10 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
                *, concurrency: int | None, rate: float | None, seed: int, label: str,
                **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
-    `summarize` of its requests, its size, its `stats()` and its start-up time."""
+    `summarize` of its requests, its size, its `stats()`, its start-up time and the XLA compilations
+    that ran during the workload (seconds each; none is the engine's promise)."""
+    import jax
+
     t0 = time.perf_counter()
     engine = engine_cls(cfg, params, **options)
     engine.warmup(logprobs=False,  # every serving shape these requests use (no log-probabilities)
@@ -292,14 +302,18 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
     start_s = time.perf_counter() - t0  # construction and compilation
     print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
           f"{'on' if options.get('prefix_cache') else 'off'}, ready in {start_s:.1f} s", flush=True)
+    compiles: list[float] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(duration) if "backend_compile" in event else None)
     try:
         results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
                                     seed=seed))
         stats = engine.stats()
     finally:
+        jax.monitoring.clear_event_listeners()
         engine.shutdown(0.0)
     return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
-            "engine_start_s": start_s}
+            "engine_start_s": start_s, "compiles_during_run_s": compiles}
 
 
 def step_timing(engine_cls: Callable[..., Any], cfg: Any, params: Any, *, batch: int, context: int, steps: int,
