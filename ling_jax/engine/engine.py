@@ -252,8 +252,9 @@ class Engine:
         self._admitting = True
         self._drain_deadline: float | None = None
         self._admitted = 0
-        # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (row, boundary, step))
-        self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int]]] | None = None
+        # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (slot, boundary,
+        # step, store row))
+        self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int, int]]] | None = None
         self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
         self._draining: list[_Slot] = []  # ended requests whose pages wait for a call in flight's snapshot
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
@@ -675,9 +676,9 @@ class Engine:
         m = s.handle.sampling.max_tokens
         return m - s.dispatched + int(self.cache_outputs and (len(s.prompt) + m) % self.page_size == 0)
 
-    def _output_snapshots(self, active: list[tuple[int, _Slot]], steps: int) -> list[tuple[int, int, int]]:
-        """The output snapshots a decode call of `steps` steps takes (prefix cache): (slot, boundary, step)
-        for each row whose positions reach a page boundary within the call and within its max_tokens
+    def _output_snapshots(self, active: list[tuple[int, _Slot]], steps: int) -> list[tuple[int, int, int, int]]:
+        """The output snapshots a decode call of `steps` steps takes (prefix cache): (slot, boundary, step,
+        store row) for each row whose positions reach a page boundary within the call and within its max_tokens
         (the state after the boundary's last position, at step boundary - 1 - length), at most
         `SNAPSHOTS_PER_STEP` per step, each into a store row taken now (`_Slot.out_snaps`)."""
         k, per_step, snaps = self.page_size, [0] * steps, []
@@ -694,7 +695,7 @@ class Engine:
                 break
             per_step[t] += 1
             s.out_snaps.append((b, row))
-            snaps.append((i, b, t))
+            snaps.append((i, b, t, row))
         return snaps
 
     def _index_output(self, s: _Slot, b: int, row: int, tokens: list[int]) -> None:
@@ -713,14 +714,13 @@ class Engine:
                 self.prefix.counters["prefix_output_snapshots"] += 1
 
     def _deliver(self, out: Any, rows: list[tuple[int, _Slot]], steps: int, want_lp: bool,
-                 snaps: list[tuple[int, int, int]]) -> None:
+                 snaps: list[tuple[int, int, int, int]]) -> None:
         """Delivers a decode call's tokens to the requests still in their slots; stops at each one's end.
         First indexes the call's output snapshots of the rows still running (their tokens are now known)."""
         out = jax.device_get(out)
-        for i, b, t in snaps:
+        for i, b, t, row in snaps:
             s = next(s for j, s in rows if j == i)
-            row = next((r for bb, r in s.out_snaps if bb == b), None)
-            if row is not None:  # else cancelled: `_give_back` freed its rows
+            if (b, row) in s.out_snaps:  # else cancelled: `_give_back` freed its rows
                 self._index_output(s, b, row, s.handle.tokens + out["tokens"][:t, i].tolist())
         for s in [s for s in self._draining if not s.out_snaps]:
             self._draining.remove(s)
@@ -735,9 +735,9 @@ class Engine:
                 self._emit(i, s, int(out["tokens"][t, i]), *lp)
 
     def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray,
-                snaps: list[tuple[int, int, int]]) -> tuple[Any, Any]:
+                snaps: list[tuple[int, int, int, int]]) -> tuple[Any, Any]:
         """Dispatches `device.decode_steps` over the first len(table) slots (a decode bucket), taking the
-        output snapshots `snaps` ((slot, boundary, step); prefix cache)."""
+        output snapshots `snaps` ((slot, boundary, step, store row); prefix cache)."""
         r = len(table)
         tokens, keys = np.zeros(r, np.int32), np.zeros((r, 2), np.uint32)
         index, temp = np.zeros(r, np.int32), np.zeros(r, np.float32)
@@ -751,9 +751,9 @@ class Engine:
         if self.cache_outputs:
             rows_SM = np.full((self.decode_steps, device.SNAPSHOTS_PER_STEP), r, np.int32)
             dst_SM = np.zeros_like(rows_SM)
-            for i, b, t in snaps:
+            for i, _, t, row in snaps:
                 m = int(np.argmax(rows_SM[t] == r))
-                rows_SM[t, m], dst_SM[t, m] = i, next(row for bb, row in self.slots[i].out_snaps if bb == b)
+                rows_SM[t, m], dst_SM[t, m] = i, row
             store = self.store
         cache, store, out = device.decode_steps(
             self.config, self.k_decode, self.decode_steps, want_lp, self.params, self.cache, np.int32(steps), table,
