@@ -10,7 +10,10 @@ calls after one that compiles):
   (`Engine.prefill_shapes`: prompts x chunk), the prompts' first chunks (slots 0, 1, ...);
 - `device.decode_steps` of 1 and `--decode-steps` steps over every slot, each slot at `--context`
   tokens, and `decode.decode_loop` (what static `generate` runs) of `--decode-steps` greedy tokens
-  over a cache of `--batch` rows at the same context: ms per step of both;
+  over a cache of `--batch` rows at the same context: ms per step of both; with `--output-snapshots`,
+  also the decode call of an engine with the prefix cache (its output snapshots on), taking no
+  snapshot and one per call (slot 0's state after the call's first step): what the snapshots' per-step
+  conditionals and a copy cost;
 - `decode.prefill` (what static `generate` runs) of `--batch` rows of each `--batch-chunks` length, and
   of one row: tokens/s of the batch form against the engine's prefill calls.
 With `--profile`, where the largest prefill call, the one-step decode call, and the decode call and
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--only-largest", action="store_true",
                     help="only the largest prefill call of 1 and of --prefill-rows prompts; no decode calls")
     ap.add_argument("--decode-only", action="store_true", help="only the decode calls and decode_loop (no prefill)")
+    ap.add_argument("--output-snapshots", action="store_true",
+                    help="also the decode call with the prefix cache's output snapshots on (a second engine)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="debug preset, small shapes (CPU check)")
     args = ap.parse_args()
@@ -122,6 +127,23 @@ def main() -> None:
             result["decode_call"][str(steps)] = {"ms": 1e3 * s, "ms_per_step": 1e3 * s / steps}
             print(f"decode call of {steps} steps at batch {args.batch}: {1e3 * s:8.2f} ms "
                   f"({1e3 * s / steps:.3f} ms/step)", flush=True)
+        if args.output_snapshots:
+            snap = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                          prefill_rows=args.prefill_rows, decode_steps=args.decode_steps, prefix_cache=True,
+                          prefix_cache_gb=0.2)
+            snap.cache = {**snap.cache, "lengths": jnp.full_like(snap.cache["lengths"], args.context)}
+            n = args.decode_steps
+            for label, snaps in (("none", []), ("one", [(0, 0, 0, 0)])):  # (slot, boundary, step, store row)
+                def call(snaps: list = snaps) -> Any:
+                    snap.cache, out = snap._decode(n, False, tables, np.zeros(args.batch, bool), snaps)
+                    return out
+
+                s = median_time(call, reps=args.reps)
+                result.setdefault("decode_call_output_snapshots", {})[label] = {
+                    "steps": n, "ms": 1e3 * s, "ms_per_step": 1e3 * s / n}
+                print(f"decode call of {n} steps, output snapshots on, {label} taken: {1e3 * s:8.2f} ms "
+                      f"({1e3 * s / n:.3f} ms/step)", flush=True)
+            del snap
         s = median_time(loop, reps=args.reps, warmup=2)  # the second call compiles for its own output cache
         result["decode_loop"] = {"steps": args.decode_steps, "ms": 1e3 * s, "ms_per_step": 1e3 * s / args.decode_steps}
         print(f"decode_loop of {args.decode_steps} steps at batch {args.batch}: {1e3 * s:8.2f} ms "
