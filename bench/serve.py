@@ -594,22 +594,19 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                        decode_buckets=args.decode_buckets)
         load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
         rows_name = f"engine_prefill_rows_{args.compare_prefill_rows}"
-        runs = [("engine", args.prefix_cache or args.compare_prefix_cache, args.prefill_rows)]
+        # (name, prefix cache, prompts per prefill call, conversations, load)
+        runs = [("engine", args.prefix_cache or args.compare_prefix_cache, args.prefill_rows, convs, load)]
         if args.compare_prefix_cache:
-            runs.append(("engine_no_prefix_cache", False, args.prefill_rows))
+            runs.append(("engine_no_prefix_cache", False, args.prefill_rows, convs, load))
         if compare_rows:
-            runs.append((rows_name, args.prefix_cache, args.compare_prefill_rows))
-        for name, prefix, rows in runs:
-            result[name] = run_engine(engine_cls, cfg, params, convs, label=name, prefix_cache=prefix, **load,
+            runs.append((rows_name, args.prefix_cache, args.compare_prefill_rows, convs, load))
+        runs += [(f"engine_concurrency_{c}", args.prefix_cache, args.prefill_rows, convs[:n],
+                  dict(concurrency=c, rate=None, seed=args.seed)) for c, n in also]
+        for name, prefix, rows, run_convs, run_load in runs:
+            result[name] = run_engine(engine_cls, cfg, params, run_convs, label=name, prefix_cache=prefix, **run_load,
                                       **(options | {"prefill_rows": rows}))
             write_json(args.out, result)
-            print(f"{name}: {len(requests)} requests in {result[name]['duration_s']:.1f} s", flush=True)
-        for c, n in also:
-            name = f"engine_concurrency_{c}"
-            result[name] = run_engine(engine_cls, cfg, params, convs[:n], label=name, concurrency=c, rate=None,
-                                      seed=args.seed, prefix_cache=args.prefix_cache, **options)
-            write_json(args.out, result)
-            print(f"{name}: {n} requests in {result[name]['duration_s']:.1f} s", flush=True)
+            print(f"{name}: {result[name]['requests']} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:
             on, off = result["engine"], result["engine_no_prefix_cache"]
             result["prefix_cache_vs_off"] = {

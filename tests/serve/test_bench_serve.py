@@ -38,6 +38,11 @@ def test_in_process_engine_against_static(tmp_path):
     assert r["static"]["tpot_s"]["p50"] is None
     assert r["device"] and r["jax"] and r["date"] and r["command"] and "git" in r
     assert r["engine"]["stats"]["generation_tokens_total"] == want
+    for name in ("engine", "engine_prefill_rows_1", "engine_concurrency_1"):
+        assert r[name]["compiles_during_run_s"] == []  # the warm-up compiled every shape
+    slow = r["engine"]["slowest_ttft"]
+    assert len(slow) == 4 and slow[0]["ttft_s"] >= r["engine"]["ttft_s"]["p99"] >= slow[-1]["ttft_s"] > 0
+    assert all(s["start_s"] >= 0 and 4 <= s["prompt_tokens"] < 12 for s in slow)
     # the first 3 requests again, one at a time, on the same engine options (decode bucket 1 of 2 slots)
     c1 = r["engine_concurrency_1"]
     assert c1["requests"] == 3 and c1["max_batch"] == 2
