@@ -76,7 +76,7 @@ def main() -> None:
     else:
         params = random_params(cfg, jnp.bfloat16)
     engine = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    prefill_rows=args.prefill_rows, decode_steps=args.decode_steps)
+                    prefill_rows=min(args.prefill_rows, args.batch), decode_steps=args.decode_steps)
     tables = 1 + np.arange(args.batch * engine.max_pages, dtype=np.int32).reshape(args.batch, -1)  # slot b's pages
     room = args.max_len - args.context - (1 + args.reps) * args.decode_steps * (3 if args.profile else 1)
     if room < 0:
@@ -129,8 +129,8 @@ def main() -> None:
                   f"({1e3 * s / steps:.3f} ms/step)", flush=True)
         if args.output_snapshots:
             snap = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                          prefill_rows=args.prefill_rows, decode_steps=args.decode_steps, prefix_cache=True,
-                          prefix_cache_gb=0.2)
+                          prefill_rows=min(args.prefill_rows, args.batch), decode_steps=args.decode_steps,
+                          prefix_cache=True, prefix_cache_gb=0.2)
             snap.cache = {**snap.cache, "lengths": jnp.full_like(snap.cache["lengths"], args.context)}
             n = args.decode_steps
             for label, snaps in (("none", []), ("one", [(0, 0, 0, 0)])):  # (slot, boundary, step, store row)
