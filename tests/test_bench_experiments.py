@@ -57,6 +57,22 @@ def test_train_parts_runs(tmp_path):
     assert len(r["steps_s"]) == 2 and r["step_s"] == r["steps_s"][1] and math.isfinite(r["loss"])
 
 
+@pytest.mark.heavy
+def test_engine_calls_runs(tmp_path):
+    """bench/experiments/engine_calls.py on the CPU (`--smoke`): the engine's prefill and decode calls
+    (with output snapshots too) and decode_loop timed, so the probe follows the engine's call signatures."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "experiments" / "engine_calls.py"), "--smoke",
+                    "--output-snapshots", "--out", str(out)], check=True, timeout=600,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = json.loads(out.read_text())
+    assert set(r["decode_call"]) == {"1", "8"} and r["prefill_call"] and r["batch_prefill"]
+    assert r["decode_loop"]["ms_per_step"] > 0 and r["context"] == 16
+    assert all(v["ms_per_step"] > 0 for v in r["decode_call_output_snapshots"].values())
+    assert set(r["decode_call_output_snapshots"]) == {"none", "one"}
+
+
 @pytest.mark.parametrize(("depth", "unroll"), [(0, False), (2, False), (1, True)])
 def test_persistent_chain_stages_match_the_reference(depth, unroll):
     """bench/experiments/persistent_layer.py's stage code (run one launch per stage: interpret mode cannot spin
