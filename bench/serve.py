@@ -295,7 +295,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
 
     t0 = time.perf_counter()
     engine = engine_cls(cfg, params, **options)
-    engine.warmup(logprobs=False,  # every serving shape these requests use (no log-probabilities)
+    engine.warmup(logprobs=False, sampling=False,  # every shape these requests use (greedy, no log-probabilities)
                   progress=lambda done, total, name, s: print(f"{label}: {name} ({done}/{total}) {s:.1f} s",
                                                               flush=True))
     engine.start()
@@ -340,7 +340,7 @@ def step_timing(engine_cls: Callable[..., Any], cfg: Any, params: Any, *, batch:
     max_len = -(-(context + 2 * steps + lead) // page_size) * page_size
     engine = engine_cls(cfg, params, max_batch=batch, max_len=max_len, page_size=page_size, decode_steps=decode_steps,
                         prefill_chunk=prefill_chunk)
-    engine.warmup(logprobs=False)
+    engine.warmup(logprobs=False, sampling=False)
     engine.start()
     rng = np.random.default_rng(seed)
 

@@ -148,9 +148,9 @@ def test_a_row_ending_mid_call_keeps_the_others_steps(model):
 
 
 def test_a_row_near_max_len_takes_the_steps_left(model):
-    """A decode call runs as many steps as the rows' page tables have room for, up to `decode_steps`:
+    """A decode call runs `decode_steps` steps where every row's page table has room for them, else one:
     a prompt of 10 with 10 new tokens at max_len 20 (first token from its prefill) decodes in calls of
-    4, 4 and 2 steps, with `generate`'s tokens and no compile after the warm-up."""
+    4, 4 and 1 steps (room for 2), with `generate`'s tokens and no compile after the warm-up."""
     cfg, params = model
     steps = []
 
@@ -171,7 +171,7 @@ def test_a_row_near_max_len_takes_the_steps_left(model):
             engine._iterate()
     finally:
         jax.monitoring.clear_event_listeners()
-    assert steps == [1, 4, 4, 2]  # the warm-up's call, then the request's
+    assert steps == [1, 1, 4, 4, 4, 4, 1]  # the warm-up's calls (1 and 4 steps, greedy and sampled), the request's
     assert h.result() == _reference(cfg, params, prompt, [10])[0] and not compiles, compiles
 
 
@@ -193,7 +193,8 @@ def test_decode_buckets_run_the_slots_in_use(model):
                       decode_buckets=[2, 1])
     names = []
     engine.warmup(logprobs=False, progress=lambda done, total, name, s: names.append(name))
-    assert [n for n in names if n.startswith("decode")] == [f"decode {r} slots, 1-3 steps" for r in (1, 2, 4)]
+    assert [n for n in names if n.startswith("decode")] == [
+        f"decode {r} slots, {n}{s}" for r in (1, 2, 4) for n in ("1 step", "3 steps") for s in ("", ", sampled")]
     rows.clear()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -270,8 +271,9 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     # asked, several prompts' without), then the decode or speculative calls
     n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)
     assert [d for d, _, _ in shapes] == list(range(1, len(shapes) + 1))
-    # one decode call (one decode bucket: all slots) serves every step count up to decode_steps
-    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + 1 + logprobs}
+    # decode calls (one decode bucket: all slots) of 1 and decode_steps steps, greedy and sampled, or one
+    # speculative call
+    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + (1 if k else 4) * (1 + logprobs)}
     compiles = []
 
     def listener(event, duration, **_):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import time
@@ -82,7 +83,7 @@ class Timeline:
             t0 = time.perf_counter()
             r = decode_steps(*a, **k)
             if self.recording:
-                self.dispatch.append((t0, time.perf_counter(), int(a[6])))
+                self.dispatch.append((t0, time.perf_counter(), a[2]))
             return r
 
         def timed_deliver(engine: Engine, out: Any, *rest: Any) -> None:
@@ -111,7 +112,7 @@ class Timeline:
         it = [r for r in self.iterate if t0 <= r[0] <= t1]
         med = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
         return {"calls": len(d), "steps_per_call": statistics.median([s for *_, s in d]) if d else None,
-                "period_ms": med([b[0] - a[0] for a, b in zip(d, d[1:])]),
+                "period_ms": med([b[0] - a[0] for a, b in itertools.pairwise(d)]),
                 "dispatch_ms": med([b - a for a, b, _ in d]),
                 "wait_for_tokens_ms": med([b - a for a, b, _ in v]),
                 "deliver_ms": med([c - b for _, b, c in v]),

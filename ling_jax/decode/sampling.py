@@ -11,15 +11,20 @@ import numpy as np
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array) -> jax.Array:
+           top_p: jax.Array, *, sampling: bool | None = None) -> jax.Array:
     """Next token per row [B] int32.
 
     Row b is greedy where temperature[b] == 0, else drawn from the softmax of logits / temperature[b]
     restricted to the top_k[b] most likely tokens (0: all) and, within those, to the smallest set whose
     probability reaches top_p[b], with the key `fold_in(keys_B[b], step[b])` (its own key and its own
     token index: its draws do not depend on its batch). `step`, `temperature`, `top_k` and `top_p` are
-    scalars shared by the batch or [B] arrays, one per row. The sort the filters need runs only when
-    some row samples."""
+    scalars shared by the batch or [B] arrays, one per row.
+
+    `sampling`: None decides on the device whether any row samples (a `lax.cond`: the sort the filters
+    need runs only then, but XLA on a GPU reads the branch back to the host, so the call that holds it
+    waits there for the device); True runs the sampled form (rows at temperature 0 still take their
+    argmax); False takes every row's argmax (the caller knows that no row samples). Both static forms
+    leave nothing for the host to wait on."""
     b = logits_BV.shape[0]
     step, temperature, top_k, top_p = (jnp.broadcast_to(jnp.asarray(a), (b,))
                                        for a in (step, temperature, top_k, top_p))
@@ -31,7 +36,9 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    if sampling is None:
+        return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    return sampled() if sampling else greedy
 
 
 def filtered(logits_BV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:

@@ -257,25 +257,26 @@ def cache_page_size(cache: Cache) -> int:
 SNAPSHOTS_PER_STEP = 4  # output snapshots one decode step may take (`decode_steps`' snap_rows_SM)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 15))
-def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: bool, params: Params, cache: Cache,
-                 n_steps: jax.Array, page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 15))
+def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: bool, sampling: bool, params: Params,
+                 cache: Cache, page_table_BN: jax.Array, tokens_B: jax.Array, follow_B: jax.Array,
                  keys_B: jax.Array, index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
                  top_p_B: jax.Array, store: Cache | None = None, snap_rows_SM: jax.Array | None = None,
                  snap_dst_SM: jax.Array | None = None) -> tuple[Cache, Cache | None, dict[str, Any]]:
-    """n_steps (int32 scalar, 1 <= n_steps <= `steps`) decode steps of slots 0 .. R - 1, R = the length of
-    the per-row inputs (R <= B, the cache's slots; the engine's decode buckets): the slots from R on are
-    left as they are, and each R compiles once. Row b consumes its
+    """`steps` decode steps of slots 0 .. R - 1, R = the length of the per-row inputs (R <= B, the cache's
+    slots; the engine's decode buckets): the slots from R on are left as they are. Row b consumes its
     input token at position lengths[b] and samples its next token with key data keys_B[b] at token
-    index index_B[b] + i (its own temperature, top-k, top-p), step after step. One compiled call serves
-    every step count up to `steps` (the loop's trip count is an argument). The input token is the last
+    index index_B[b] + i (its own temperature, top-k, top-p), step after step; `sampling` False: every
+    row's argmax (no row samples), True: `sample`'s sampled form. The trip count and the sampling form
+    are static, so that XLA on a GPU runs the call without reading anything back to the host: the call
+    returns once it is enqueued, and the host's work overlaps the device's (with the output snapshots
+    below, their conditionals are read back each step). The input token is the last
     one the previous decode call sampled for the row (cache["tokens"][b]) where follow_B[b], else
     tokens_B[b] (a row's first token, from its prefill): so a call can be dispatched before the host
     has read the previous one's tokens. page_table_BN must name pages for every position a row reaches
-    (lengths[b] + n_steps - 1). Returns (cache with "tokens" the last step's samples, {"tokens":
+    (lengths[b] + steps - 1). Returns (cache with "tokens" the last step's samples, {"tokens":
     [steps, B]} and with `with_logprobs` the sampled tokens' log-probabilities [steps, B] and top
-    tokens [steps, B, n]; entries of steps i >= n_steps are zeros). `params`: with the fused decode
-    weights (`decode.fuse_for_decode`).
+    tokens [steps, B, n]). `params`: with the fused decode weights (`decode.fuse_for_decode`).
 
     With a prefix-cache `store` (output snapshots): after step i, for each m, row snap_rows_SM[i, m]
     (< R; R or more: none) has its KDA states and conv windows copied into store row snap_dst_SM[i, m]
@@ -301,7 +302,7 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
                 return st
 
             store = jax.lax.cond(jnp.any(snap_rows_SM[i] < b), snapshots, lambda st: st, store)
-        nxt = sample(logits, keys, index_B + i, temperature_B, top_k_B, top_p_B)
+        nxt = sample(logits, keys, index_B + i, temperature_B, top_k_B, top_p_B, sampling=sampling)
         out = {**out, "tokens": out["tokens"].at[i].set(nxt)}
         if with_logprobs:
             lp, ids, lps = logprobs(logits, nxt, n)
@@ -313,7 +314,7 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     if with_logprobs:
         out.update(logprob=jnp.zeros((steps, b), jnp.float32), top_ids=jnp.zeros((steps, b, n), jnp.int32),
                    top_logprobs=jnp.zeros((steps, b, n), jnp.float32))
-    cache, store, last, out = jax.lax.fori_loop(0, n_steps, body, (cache, store, tokens_B, out))
+    cache, store, last, out = jax.lax.fori_loop(0, steps, body, (cache, store, tokens_B, out))
     return (_put_first_rows(whole, {**cache, "tokens": last}), _placed(store, store=True) if store is not None
             else None, out)
 

@@ -5,10 +5,12 @@ are admitted into free slots between steps; a slot's prompt is prefilled in chun
 `prefill_chunk` tokens per chunk, the chunks of up to `prefill_rows` prompts in one call, and
 `token_budget` prompt tokens per loop iteration, so a long prompt never stalls the running requests
 for its whole prefill); then the slot decodes with the others, `decode_steps` steps per host round
-trip while no request waits to start (one while any does; fewer where a row nears `max_len`). Decode
+trip while no request waits to start (one while any does, or where a row nears `max_len`). Decode
 calls are pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the
 device) before the host reads the previous call's tokens, so delivering tokens, admitting and
-building page tables overlap the device's work; a request that ends within a call wastes the rest of
+building page tables overlap the device's work (a decode call holds nothing that the host must read
+back while it runs: static step counts, greedy or sampled by the host's choice;
+`device.decode_steps`); a request that ends within a call wastes the rest of
 it and at most the call after it (the steps past its `max_tokens` write the unshared rest of its last
 page or page 0: nothing reads them). A decode call runs the first slots up to the smallest of
 `decode_buckets` (default: `max_batch` alone) that holds every decoding slot, so at low concurrency
@@ -51,9 +53,9 @@ needs nothing recomputed.
 
 Compiled shapes: prefill calls of one prompt's chunk in powers of two up to `prefill_chunk` (at least
 16) and, with `prefill_rows` > 1, of `prefill_rows` prompts' chunks of `prefill_chunk` / 4 and
-`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), one decode call per
-decode bucket for every step count up to `decode_steps` (with speculation: the speculative call
-instead), each with and without log-probabilities; `warmup()` compiles them all, and serving never
+`prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), decode calls per
+decode bucket of 1 and of `decode_steps` steps, greedy and sampled (with speculation: the speculative
+call instead), each with and without log-probabilities; `warmup()` compiles them all, and serving never
 compiles afterwards.
 """
 
@@ -338,13 +340,15 @@ class Engine:
             return
         thread.join()
 
-    def warmup(self, *, logprobs: bool = True, progress: Callable[[int, int, str, float], None] | None = None) -> None:
+    def warmup(self, *, logprobs: bool = True, sampling: bool = True,
+               progress: Callable[[int, int, str, float], None] | None = None) -> None:
         """Compiles every shape serving uses (each prefill call shape and decode call, or with speculation
-        the speculative call, with and, unless `logprobs` is False, without log-probabilities) on a
-        scratch slot; nothing compiles after it.
-        `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work; a
-        request that asks for them then compiles its shapes on first use. `progress(done, total, name,
-        seconds)` is called after each shape (compiled and run once)."""
+        the speculative call, with and, unless `logprobs` is False, without log-probabilities; decode
+        calls greedy and, unless `sampling` is False, sampled) on a scratch slot; nothing compiles after
+        it. `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work,
+        and so does `sampling=False` (requests at temperature 0 only); a request that asks for what was
+        left out then compiles its shapes on first use. `progress(done, total, name, seconds)` is called
+        after each shape (compiled and run once)."""
         variants = (False, True) if logprobs else (False,)
         zeros_table, none = np.zeros((self.max_batch, self.max_pages), np.int32), np.zeros(self.max_batch, bool)
 
@@ -354,8 +358,8 @@ class Engine:
                 *self._prefill_args(rows, c, []))
             return out
 
-        def decode(rows: int, lp: bool) -> Any:
-            self.cache, out = self._decode(1, lp, zeros_table[:rows], none[:rows], [])
+        def decode(rows: int, steps: int, sampled: bool, lp: bool) -> Any:
+            self.cache, out = self._decode(steps, lp, zeros_table[:rows], none[:rows], [], sampled)
             return out
 
         def snapshot_round_trip() -> Any:  # the store is left as it was
@@ -371,9 +375,10 @@ class Engine:
             shapes += [(f"speculative step{lp_name[lp]}", functools.partial(self._speculate, lp, zeros_table, []))
                        for lp in variants]
         else:
-            steps = "1 step" if self.decode_steps == 1 else f"1-{self.decode_steps} steps"
-            shapes += [(f"decode {rows} slots, {steps}{lp_name[lp]}", functools.partial(decode, rows, lp))
-                       for rows in self.decode_buckets for lp in variants]
+            shapes += [(f"decode {rows} slots, {n} step{'s' * (n > 1)}{', sampled' * sampled}{lp_name[lp]}",
+                        functools.partial(decode, rows, n, sampled, lp))
+                       for rows in self.decode_buckets for n in sorted({1, self.decode_steps})
+                       for sampled in ((False, True) if sampling else (False,)) for lp in variants]
         if self.prefix is not None:
             shapes.append(("snapshot save and restore", snapshot_round_trip))
         with self._mesh():
@@ -648,7 +653,7 @@ class Engine:
             busy = bool(self.waiting) or any(s is not None and not s.decoding for s in self.slots)
             # a call's steps stay within every row's page table (positions < max_pages * page_size)
             room = min(self.max_pages * self.page_size - s.length for _, s in active)
-            steps = 1 if busy else min(self.decode_steps, room)
+            steps = 1 if busy or room < self.decode_steps else self.decode_steps
             rows = next(b for b in self.decode_buckets if b > active[-1][0])
             table = np.zeros((rows, self.max_pages), np.int32)
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
@@ -735,9 +740,11 @@ class Engine:
                 self._emit(i, s, int(out["tokens"][t, i]), *lp)
 
     def _decode(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray,
-                snaps: list[tuple[int, int, int, int]]) -> tuple[Any, Any]:
-        """Dispatches `device.decode_steps` over the first len(table) slots (a decode bucket), taking the
-        output snapshots `snaps` ((slot, boundary, step, store row); prefix cache)."""
+                snaps: list[tuple[int, int, int, int]], sampled: bool | None = None) -> tuple[Any, Any]:
+        """Dispatches `device.decode_steps` of `steps` steps (1 or `decode_steps`) over the first len(table)
+        slots (a decode bucket), taking the output snapshots `snaps` ((slot, boundary, step, store row);
+        prefix cache); `sampled`: its sampling form (default: sampled where a decoding slot among them
+        samples, else greedy)."""
         r = len(table)
         tokens, keys = np.zeros(r, np.int32), np.zeros((r, 2), np.uint32)
         index, temp = np.zeros(r, np.int32), np.zeros(r, np.float32)
@@ -749,14 +756,15 @@ class Engine:
                 temp[i], top_k[i], top_p[i] = sp.temperature, min(sp.top_k, self.vocab_size), sp.top_p
         store = rows_SM = dst_SM = None
         if self.cache_outputs:
-            rows_SM = np.full((self.decode_steps, device.SNAPSHOTS_PER_STEP), r, np.int32)
+            rows_SM = np.full((steps, device.SNAPSHOTS_PER_STEP), r, np.int32)
             dst_SM = np.zeros_like(rows_SM)
             for i, _, t, row in snaps:
                 m = int(np.argmax(rows_SM[t] == r))
                 rows_SM[t, m], dst_SM[t, m] = i, row
             store = self.store
         cache, store, out = device.decode_steps(
-            self.config, self.k_decode, self.decode_steps, want_lp, self.params, self.cache, np.int32(steps), table,
+            self.config, self.k_decode, steps, want_lp, bool((temp > 0).any()) if sampled is None else sampled,
+            self.params, self.cache, table,
             tokens, follow, keys, index, temp, top_k, top_p, store, rows_SM, dst_SM)
         if store is not None:
             self.store = store
