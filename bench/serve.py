@@ -290,7 +290,10 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
                **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
     `summarize` of its requests, its size, its `stats()`, its start-up time and the XLA compilations
-    that ran during the workload (seconds each; none is the engine's promise)."""
+    that ran during the workload (seconds each, and what each compiled: JAX's `jax_log_compiles`
+    line, cut at its argument mapping; none is the engine's promise)."""
+    import logging
+
     import jax
 
     t0 = time.perf_counter()
@@ -303,17 +306,30 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
     print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
           f"{'on' if options.get('prefix_cache') else 'off'}, ready in {start_s:.1f} s", flush=True)
     compiles: list[float] = []
+    compiled: list[str] = []
+
+    class Compiled(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("Compiling"):
+                compiled.append(message.split(". Argument mapping")[0][:1000])
+
+    handler, log_compiles = Compiled(), jax.config.jax_log_compiles
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **_: compiles.append(duration) if "backend_compile" in event else None)
+    logging.getLogger("jax").addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
     try:
         results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
                                     seed=seed))
         stats = engine.stats()
     finally:
+        jax.config.update("jax_log_compiles", log_compiles)
+        logging.getLogger("jax").removeHandler(handler)
         jax.monitoring.clear_event_listeners()
         engine.shutdown(0.0)
     return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
-            "engine_start_s": start_s, "compiles_during_run_s": compiles}
+            "engine_start_s": start_s, "compiles_during_run_s": compiles, "compiled_during_run": compiled}
 
 
 def step_timing(engine_cls: Callable[..., Any], cfg: Any, params: Any, *, batch: int, context: int, steps: int,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from bench.serve import main, make_conversations, make_requests
@@ -39,7 +41,7 @@ def test_in_process_engine_against_static(tmp_path):
     assert r["device"] and r["jax"] and r["date"] and r["command"] and "git" in r
     assert r["engine"]["stats"]["generation_tokens_total"] == want
     for name in ("engine", "engine_prefill_rows_1", "engine_concurrency_1"):
-        assert r[name]["compiles_during_run_s"] == []  # the warm-up compiled every shape
+        assert r[name]["compiles_during_run_s"] == r[name]["compiled_during_run"] == []  # warm-up compiled all
     slow = r["engine"]["slowest_ttft"]
     assert len(slow) == 4 and slow[0]["ttft_s"] >= r["engine"]["ttft_s"]["p99"] >= slow[-1]["ttft_s"] > 0
     assert all(s["start_s"] >= 0 and 4 <= s["prompt_tokens"] < 12 for s in slow)
@@ -47,6 +49,27 @@ def test_in_process_engine_against_static(tmp_path):
     c1 = r["engine_concurrency_1"]
     assert c1["requests"] == 3 and c1["max_batch"] == 2
     assert c1["output_tokens"] == sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0)[:3])
+
+
+@pytest.mark.heavy  # a benchmark tool's run (default suite kept well under 20 min on 2 cores)
+def test_a_compile_during_the_run_is_timed_and_named(tmp_path):
+    """A program first compiled while requests run (here: by the engine's submit) shows in the run's
+    compile times and, by name and shapes, in `compiled_during_run`."""
+    tripled = jax.jit(lambda x: x * 3)
+
+    class Compiling(Engine):
+        def submit(self, *args, **kwargs):
+            tripled(np.ones(7, np.float32))
+            return super().submit(*args, **kwargs)
+
+    out = tmp_path / "r.json"
+    assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "2",
+                 "--concurrency", "1", "--prompt-len", "4:6", "--output-len", "2:3", "--out", str(out)],
+                engine_cls=Compiling) == 0
+    r = json.loads(out.read_text())["engine"]
+    assert len(r["compiles_during_run_s"]) == 1 and r["compiles_during_run_s"][0] > 0
+    assert len(r["compiled_during_run"]) == 1 and "jit(<lambda>)" in r["compiled_during_run"][0]
+    assert "float32[7]" in r["compiled_during_run"][0]
 
 
 def test_server_under_poisson_arrivals(tmp_path, model):
