@@ -290,46 +290,72 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
                **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
     `summarize` of its requests, its size, its `stats()`, its start-up time and the XLA compilations
-    that ran during the workload (seconds each, and what each compiled: JAX's `jax_log_compiles`
-    line, cut at its argument mapping; none is the engine's promise)."""
+    that ran during the workload (none is the engine's promise): seconds each, and what each compiled
+    (`compiled_during_run`: JAX's `jax_log_compiles` line, where it first differs from the closest
+    line of the same function's compilations in the warm-up)."""
     import logging
 
     import jax
 
-    t0 = time.perf_counter()
-    engine = engine_cls(cfg, params, **options)
-    engine.warmup(logprobs=False, sampling=False,  # every shape these requests use (greedy, no log-probabilities)
-                  progress=lambda done, total, name, s: print(f"{label}: {name} ({done}/{total}) {s:.1f} s",
-                                                              flush=True))
-    engine.start()
-    start_s = time.perf_counter() - t0  # construction and compilation
-    print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
-          f"{'on' if options.get('prefix_cache') else 'off'}, ready in {start_s:.1f} s", flush=True)
-    compiles: list[float] = []
-    compiled: list[str] = []
+    messages: list[tuple[bool, str]] = []  # (during the run, "Compiling ..." line)
+    running = [False]
 
     class Compiled(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
             if message.startswith("Compiling"):
-                compiled.append(message.split(". Argument mapping")[0][:1000])
+                messages.append((running[0], message))
 
     handler, log_compiles = Compiled(), jax.config.jax_log_compiles
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **_: compiles.append(duration) if "backend_compile" in event else None)
     logging.getLogger("jax").addHandler(handler)
     jax.config.update("jax_log_compiles", True)
+    compiles: list[float] = []
     try:
-        results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
-                                    seed=seed))
-        stats = engine.stats()
+        t0 = time.perf_counter()
+        engine = engine_cls(cfg, params, **options)
+        engine.warmup(logprobs=False, sampling=False,  # every shape these requests use (greedy, no log-probabilities)
+                      progress=lambda done, total, name, s: print(f"{label}: {name} ({done}/{total}) {s:.1f} s",
+                                                                  flush=True))
+        engine.start()
+        start_s = time.perf_counter() - t0  # construction and compilation
+        print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
+              f"{'on' if options.get('prefix_cache') else 'off'}, ready in {start_s:.1f} s", flush=True)
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, duration, **_: compiles.append(duration) if "backend_compile" in event else None)
+        running[0] = True
+        try:
+            results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
+                                        seed=seed))
+            stats = engine.stats()
+        finally:
+            engine.shutdown(0.0)
     finally:
         jax.config.update("jax_log_compiles", log_compiles)
         logging.getLogger("jax").removeHandler(handler)
         jax.monitoring.clear_event_listeners()
-        engine.shutdown(0.0)
+    warm = [m for run, m in messages if not run]
     return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
-            "engine_start_s": start_s, "compiles_during_run_s": compiles, "compiled_during_run": compiled}
+            "engine_start_s": start_s, "compiles_during_run_s": compiles,
+            "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run]}
+
+
+def against_warmup(message: str, warm: Sequence[str], context: int = 300) -> dict[str, Any]:
+    """A compilation's `jax_log_compiles` line against the warm-up's: its function, its head, and where it
+    first differs from the warm-up line of the same function that shares the longest prefix with it
+    (`context` characters of both from there; None where the warm-up never compiled the function)."""
+    name = message.split(" with global")[0].removeprefix("Compiling ")
+    same = [w for w in warm if w.split(" with global")[0].removeprefix("Compiling ") == name]
+
+    def common(w: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(w, message, strict=False)) if a != b), min(len(w), len(message)))
+
+    out: dict[str, Any] = {"function": name, "head": message[:300], "differs_from_warmup": None}
+    if same:
+        closest = max(same, key=common)
+        i = common(closest)
+        out["differs_from_warmup"] = {"at": i, "warmup": closest[max(0, i - 40):i + context],
+                                      "run": message[max(0, i - 40):i + context]}
+    return out
 
 
 def step_timing(engine_cls: Callable[..., Any], cfg: Any, params: Any, *, batch: int, context: int, steps: int,

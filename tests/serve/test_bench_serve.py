@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench.serve import main, make_conversations, make_requests
+from bench.serve import against_warmup, main, make_conversations, make_requests
 from ling_jax.engine import Engine
 from tests.serve.harness import make_engine, serve
 
@@ -53,11 +53,16 @@ def test_in_process_engine_against_static(tmp_path):
 
 @pytest.mark.heavy  # a benchmark tool's run (default suite kept well under 20 min on 2 cores)
 def test_a_compile_during_the_run_is_timed_and_named(tmp_path):
-    """A program first compiled while requests run (here: by the engine's submit) shows in the run's
-    compile times and, by name and shapes, in `compiled_during_run`."""
+    """A program first compiled while requests run (here: by the engine's submit, for a shape its warm-up
+    did not compile) shows in the run's compile times and in `compiled_during_run`, with where its
+    compilation differs from the warm-up's."""
     tripled = jax.jit(lambda x: x * 3)
 
     class Compiling(Engine):
+        def warmup(self, **kwargs):
+            tripled(np.ones(5, np.float32))
+            super().warmup(**kwargs)
+
         def submit(self, *args, **kwargs):
             tripled(np.ones(7, np.float32))
             return super().submit(*args, **kwargs)
@@ -68,8 +73,22 @@ def test_a_compile_during_the_run_is_timed_and_named(tmp_path):
                 engine_cls=Compiling) == 0
     r = json.loads(out.read_text())["engine"]
     assert len(r["compiles_during_run_s"]) == 1 and r["compiles_during_run_s"][0] > 0
-    assert len(r["compiled_during_run"]) == 1 and "jit(<lambda>)" in r["compiled_during_run"][0]
-    assert "float32[7]" in r["compiled_during_run"][0]
+    (c,) = r["compiled_during_run"]
+    assert c["function"] == "jit(<lambda>)" and "float32[7]" in c["head"]
+    diff = c["differs_from_warmup"]  # 40 characters before the first difference, then the rest
+    assert diff["warmup"][40:].startswith("5]),)") and diff["run"][40:].startswith("7]),)")
+
+
+def test_against_warmup_finds_the_first_difference():
+    warm = ["Compiling jit(f) with global shapes and types (ShapedArray(int32[4]),). Argument mapping: (A,).",
+            "Compiling jit(f) with global shapes and types (ShapedArray(int32[8]),). Argument mapping: (B,).",
+            "Compiling jit(g) with global shapes and types (ShapedArray(int32[8]),). Argument mapping: (C,)."]
+    run = "Compiling jit(f) with global shapes and types (ShapedArray(int32[8]),). Argument mapping: (D,)."
+    c = against_warmup(run, warm, context=3)
+    assert c["function"] == "jit(f)" and c["head"] == run
+    i = run.index("(D")
+    assert c["differs_from_warmup"] == {"at": i + 1, "warmup": run[i - 39:i + 1] + "B,)", "run": run[i - 39:i + 4]}
+    assert against_warmup(run.replace("jit(f)", "jit(h)"), warm)["differs_from_warmup"] is None
 
 
 def test_server_under_poisson_arrivals(tmp_path, model):
