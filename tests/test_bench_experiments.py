@@ -73,6 +73,22 @@ def test_engine_calls_runs(tmp_path):
     assert set(r["decode_call_output_snapshots"]) == {"none", "one"}
 
 
+@pytest.mark.heavy
+def test_serve_loop_runs(tmp_path):
+    """bench/experiments/serve_loop.py on the CPU (`--smoke`): the dispatch probe and the engine's timed
+    rounds (8-step decode calls, each round's parts recorded), so the probe follows the engine's methods."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "experiments" / "serve_loop.py"), "--smoke", "--requests",
+                    "2", "--out", str(out)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = json.loads(out.read_text())
+    assert set(r["dispatch_probe"]) == {f"{f}_{t}_ms" for f in ("dynamic", "static") for t in ("returns", "ready")}
+    assert len(r["requests"]) == 2
+    for q in r["requests"]:  # 24 new tokens: the first from the prefill, then 23 steps in calls of 8
+        assert q["calls"] == 3 and q["steps_per_call"] == 8 and q["tpot_ms"] > 0
+        assert all(q[k] > 0 for k in ("period_ms", "dispatch_ms", "wait_for_tokens_ms", "deliver_ms"))
+
+
 @pytest.mark.parametrize(("depth", "unroll"), [(0, False), (2, False), (1, True)])
 def test_persistent_chain_stages_match_the_reference(depth, unroll):
     """bench/experiments/persistent_layer.py's stage code (run one launch per stage: interpret mode cannot spin
