@@ -251,7 +251,8 @@ def test_pages_follow_the_tokens_held(model):
     assert engine.stats()["pages_used"] == 0
 
 
-@pytest.mark.parametrize("k,rows,logprobs", [(0, 1, True), (0, 1, False), (2, 1, False),
+@pytest.mark.parametrize("k,rows,logprobs", [pytest.param(0, 1, True, marks=pytest.mark.heavy),  # ~30 s on 2 cores
+                                              (0, 1, False), (2, 1, False),
                                               pytest.param(2, 1, True, marks=pytest.mark.heavy),
                                               pytest.param(0, 3, True, marks=pytest.mark.heavy),
                                               pytest.param(0, 3, False, marks=pytest.mark.heavy)],
@@ -399,7 +400,8 @@ def test_next_call_dispatched_before_reading_the_last(model):
 # --- speculative decoding (speculative_tokens=k) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.heavy  # ~30 s each on 2 cores; test_no_compiles_after_warmup runs the speculative engine by default
 def test_speculative_tokens_equal_generate(model, k):
     """With k MTP drafts per call, greedy requests from more clients than slots (mixed lengths, prompts
     over several prefill chunks) give `generate`'s tokens: with the MTP layer's drafts (this random

@@ -122,8 +122,9 @@ def fp8_checkpoint(tmp_path_factory):
     return convert_hf_to_orbax(GOLDEN / "ling3_tiny_a_fp8", tmp_path_factory.mktemp("fp8") / "ck", dtype="float8")
 
 
-@pytest.mark.parametrize("mesh_sizes", [pytest.param((), id="one-device"),
-                                        pytest.param((("data", 2), ("expert", 4)), marks=pytest.mark.heavy, id="2x4")])
+@pytest.mark.parametrize("mesh_sizes", [pytest.param((), id="one-device"), pytest.param((("data", 2), ("expert", 4)),
+                                                                                   id="2x4")])
+@pytest.mark.heavy  # ~35 s on one device on 2 cores; FP8-resident generate is in the default suite (test_fp8_resident)
 def test_engine_with_fp8_resident_weights_equals_generate(fp8_checkpoint, mesh_sizes):
     """Weights loaded as `ling-serve --fp8-weights` loads them (block-FP8 layer weights kept on the
     device; on a mesh, placed on it): each request's tokens are those of `generate` with the same
