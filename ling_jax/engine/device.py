@@ -268,9 +268,9 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
     input token at position lengths[b] and samples its next token with key data keys_B[b] at token
     index index_B[b] + i (its own temperature, top-k, top-p), step after step; `sampling` False: every
     row's argmax (no row samples), True: `sample`'s sampled form. The trip count and the sampling form
-    are static, so that XLA on a GPU runs the call without reading anything back to the host: the call
-    returns once it is enqueued, and the host's work overlaps the device's (with the output snapshots
-    below, their conditionals are read back each step). The input token is the last
+    are static and the loop holds no conditional, so that XLA on a GPU runs the call without reading
+    anything back to the host: the call returns once it is enqueued, and the host's work overlaps the
+    device's (output snapshots included: `_snapshot_rows`). The input token is the last
     one the previous decode call sampled for the row (cache["tokens"][b]) where follow_B[b], else
     tokens_B[b] (a row's first token, from its prefill): so a call can be dispatched before the host
     has read the previous one's tokens. page_table_BN must name pages for every position a row reaches
@@ -294,14 +294,7 @@ def decode_steps(cfg: LingConfig, kernels: Kernels, steps: int, with_logprobs: b
         cache, store, tok, out = carry
         cache, logits = decode_step(cfg, kernels, params, cache, tok, page_table=page_table_BN)
         if store is not None:
-            def snapshots(st: Cache) -> Cache:
-                for m in range(SNAPSHOTS_PER_STEP):
-                    row, dst = snap_rows_SM[i, m], snap_dst_SM[i, m]
-                    st = jax.lax.cond(row < b, lambda st, row=row, dst=dst: _copy_row(st, cache, row, dst),
-                                      lambda st: st, st)
-                return st
-
-            store = jax.lax.cond(jnp.any(snap_rows_SM[i] < b), snapshots, lambda st: st, store)
+            store = _snapshot_rows(store, cache, snap_rows_SM[i], snap_dst_SM[i], b)
         nxt = sample(logits, keys, index_B + i, temperature_B, top_k_B, top_p_B, sampling=sampling)
         out = {**out, "tokens": out["tokens"].at[i].set(nxt)}
         if with_logprobs:
@@ -346,6 +339,24 @@ def _put_first_rows(cache: Cache, rows: Cache) -> Cache:
     return {"segments": jax.tree_util.tree_map_with_path(put, cache["segments"], rows["segments"]),
             "lengths": constrain(cache["lengths"].at[:rows["lengths"].shape[0]].set(rows["lengths"]), "cache_rows"),
             "tokens": constrain(cache["tokens"].at[:rows["tokens"].shape[0]].set(rows["tokens"]), "cache_rows")}
+
+
+def _snapshot_rows(store: Cache, cache: Cache, rows_M: jax.Array, dst_M: jax.Array, b: int) -> Cache:
+    """`store` with row dst_M[m] set to the KDA states and conv windows of `cache`'s row rows_M[m], for
+    each m with rows_M[m] < b (the others write nothing): one scatter per leaf, without a conditional,
+    so that a decode call that takes output snapshots reads nothing back to the host."""
+    dst_M = jnp.where(rows_M < b, dst_M, store["lengths"].shape[0])  # out of range: dropped
+    rows_M = jnp.minimum(rows_M, b - 1)
+
+    def put(path: Any, leaf: jax.Array, frm: jax.Array) -> jax.Array:
+        name = path[-1].key
+        if name == "pages":
+            return leaf
+        axis = _batch_axis(name, leaf)
+        index = (slice(None),) * axis + (dst_M,)
+        return leaf.at[index].set(jnp.take(frm, rows_M, axis=axis).astype(leaf.dtype), mode="drop")
+
+    return {**store, "segments": jax.tree_util.tree_map_with_path(put, store["segments"], cache["segments"])}
 
 
 def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache:

@@ -9,8 +9,8 @@ trip while no request waits to start (one while any does, or where a row nears `
 calls are pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the
 device) before the host reads the previous call's tokens, so delivering tokens, admitting and
 building page tables overlap the device's work (a decode call holds nothing that the host must read
-back while it runs: static step counts, greedy or sampled by the host's choice; but the prefix cache's
-output snapshots, below, are taken under conditionals XLA reads back each step; `device.decode_steps`);
+back while it runs: static step counts, greedy or sampled by the host's choice, the prefix cache's
+output snapshots taken by scatters that drop what is not taken; `device.decode_steps`);
 a request that ends within a call wastes the rest of it and at most the call after it (the steps past
 its `max_tokens` write the unshared rest of its last page or page 0: nothing reads them). A decode
 call runs the first slots up to the smallest of `decode_buckets` (default: `max_batch` alone) that
