@@ -74,14 +74,18 @@ def test_engine_calls_runs(tmp_path):
 
 
 @pytest.mark.heavy
-def test_serve_loop_runs(tmp_path):
-    """bench/experiments/serve_loop.py on the CPU (`--smoke`): the dispatch probe and the engine's timed
-    rounds (8-step decode calls, each round's parts recorded), so the probe follows the engine's methods."""
+@pytest.mark.parametrize("prefix", [False, True])
+def test_serve_loop_runs(tmp_path, prefix):
+    """bench/experiments/serve_loop.py on the CPU (`--smoke`, with and without the prefix cache): the
+    dispatch probe and the engine's timed rounds (8-step decode calls, each round's parts recorded), so
+    the probe follows the engine's methods."""
     out = tmp_path / "out.json"
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, str(root / "bench" / "experiments" / "serve_loop.py"), "--smoke", "--requests",
-                    "2", "--out", str(out)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                    "2", "--out", str(out), *["--prefix-cache"] * prefix], check=True, timeout=600,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
     r = json.loads(out.read_text())
+    assert r["prefix_cache"] == prefix and ("prefix_misses" in r["stats"]) == prefix
     assert set(r["dispatch_probe"]) == {f"{f}_{t}_ms" for f in ("dynamic", "static") for t in ("returns", "ready")}
     assert len(r["requests"]) == 2
     for q in r["requests"]:  # 24 new tokens: the first from the prefill, then 23 steps in calls of 8

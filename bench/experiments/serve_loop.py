@@ -14,7 +14,8 @@ another (after one that compiles), read as `bench/serve.py` reads them (asyncio)
 thread`, by a blocking iterator. Its methods are wrapped to time each decode round: the dispatch of
 `device.decode_steps` (until the call returns), the wait for the previous call's tokens, their
 delivery, and the rest of each loop iteration. Reported per request: time per output token; per
-round (medians): the period between dispatches, each part, and steps per call.
+round (medians): the period between dispatches, each part, and steps per call. `--prefix-cache`: the
+engine with its prefix cache, whose decode calls take an output snapshot at each page boundary.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--reader", choices=("asyncio", "thread"), default="asyncio")
     ap.add_argument("--probe-size", type=int, default=4096)
     ap.add_argument("--probe-iters", type=int, default=64)
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="the engine with its prefix cache and output snapshots (one per page of output)")
     ap.add_argument("--smoke", action="store_true", help="debug preset, small shapes (CPU check)")
     args = ap.parse_args()
     preset = "debug" if args.smoke else "ling-3.0-tiny"
@@ -141,13 +144,14 @@ def main() -> None:
         params = random_params(cfg, jnp.bfloat16)
     result: dict[str, Any] = {**machine(), "preset": preset, "context": args.context, "output": args.output,
                               "decode_steps": args.decode_steps, "reader": args.reader,
+                              "prefix_cache": args.prefix_cache,
                               "dispatch_probe": dispatch_probe(args.probe_size, args.probe_iters)}
     print("dispatch probe (ms):", result["dispatch_probe"], flush=True)
 
     timeline = Timeline()
     max_len = -(-(args.context + args.output + args.decode_steps) // 64) * 64
     engine = Engine(cfg, params, max_batch=1, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                    decode_steps=args.decode_steps)
+                    decode_steps=args.decode_steps, prefix_cache=args.prefix_cache, prefix_cache_gb=1.0)
     engine.start()
     rng = np.random.default_rng(0)
     sampling = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
@@ -177,6 +181,7 @@ def main() -> None:
             runs.append({"tpot_ms": 1e3 * tpot, "ttft_s": h.first_token_at - h.submitted,
                          **timeline.rounds(h.first_token_at, h.finished_at)})
             print(runs[-1], flush=True)
+        result["stats"] = engine.stats()
     finally:
         engine.shutdown(0.0)
     result["requests"] = runs
