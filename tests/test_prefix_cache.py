@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -173,6 +175,44 @@ def test_multi_turn_reuses_the_reply_and_equals_generate(model, outputs):
         assert engine.stats()["prefix_output_snapshots"] > 0
     assert all(r == 0 for r in engine.prefix.refs.values()) and not engine.prefix.pinned
     assert engine.stats()["pages_used"] == len(engine.prefix.pages)  # the pool holds cached pages only
+
+
+def test_decode_call_snapshots_only_the_rows_named(model):
+    """A decode call of 3 steps over 2 slots taking output snapshots of slot 1 after step 0 and of slot 0
+    after step 2: those two store rows hold the states a 1-step and a 3-step call leave in those slots,
+    and every other store row is unchanged (the steps without a snapshot write nowhere)."""
+    cfg, params = model
+    engine = Engine(cfg, params, max_batch=2, max_len=32, page_size=K, prefill_chunk=16, decode_steps=3,
+                    prefix_cache=True, prefix_cache_gb=0.001)
+    rng = np.random.default_rng(5)
+    noise = lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype)  # noqa: E731
+    segments = jax.tree_util.tree_map_with_path(lambda path, a: a if path[-1].key == "pages" else noise(a),
+                                                engine.cache["segments"])
+    engine.cache = {**engine.cache, "lengths": jnp.asarray([5, 9], jnp.int32), "segments": segments}
+    engine.store = {**engine.store, "segments": jax.tree.map(noise, engine.store["segments"])}
+    store0, cache0 = jax.tree.map(np.asarray, engine.store), jax.tree.map(np.asarray, engine.cache)
+    table, follow = np.asarray([[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 6, 0, 0, 0, 0, 0]], np.int32), np.zeros(2, bool)
+
+    def run(steps, snaps):
+        engine.cache = jax.tree.map(jnp.asarray, cache0)
+        cache, _ = engine._decode(steps, False, table[:, :engine.max_pages], follow, snaps)
+        return jax.tree.map(np.asarray, cache)
+
+    after1, after3 = run(1, []), run(3, [])
+    engine.store = jax.tree.map(jnp.asarray, store0)
+    run(3, [(1, 0, 0, 2), (0, 0, 2, 4)])  # (slot, boundary, step, store row)
+    for (path, got), want, one, three in zip(jax.tree_util.tree_leaves_with_path(engine.store["segments"]),
+                                             jax.tree.leaves(store0["segments"]),
+                                             jax.tree.leaves(after1["segments"]),
+                                             jax.tree.leaves(after3["segments"]), strict=True):
+        if path[-1].key == "pages":
+            continue
+        axis = got.ndim - {"state": 4, "conv": 3}[path[-1].key]
+        got, want = np.moveaxis(np.asarray(got), axis, 0), np.moveaxis(want, axis, 0)
+        np.testing.assert_array_equal(got[2], np.moveaxis(one, axis, 0)[1])
+        np.testing.assert_array_equal(got[4], np.moveaxis(three, axis, 0)[0])
+        rest = [r for r in range(got.shape[0]) if r not in (2, 4)]
+        np.testing.assert_array_equal(got[rest], want[rest])
 
 
 def test_next_turn_waits_for_the_reply_snapshot_in_flight(model):
