@@ -454,6 +454,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="in-process: the workload again with R prompts per prefill call, in this run (the weights "
                          "and the compiled decode call shared; both in the JSON, with the ratios)")
     ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
+    ap.add_argument("--unroll-prefill", action="store_true", help="the engine's prefill calls with layers unrolled")
     ap.add_argument("--decode-buckets", type=int, nargs="+", default=None, metavar="N",
                     help="the engine's decode buckets (slot counts of its decode calls; --max-batch always one)")
     ap.add_argument("--also-concurrency", nargs="+", default=[], metavar="C:N",
@@ -633,7 +634,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                        max_len=args.max_len or -(-longest // args.page_size) * args.page_size,
                        speculative_tokens=args.speculative_tokens, decode_steps=args.decode_steps,
                        prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                       decode_buckets=args.decode_buckets)
+                       decode_buckets=args.decode_buckets, unroll_prefill=args.unroll_prefill)
         load = dict(concurrency=concurrency, rate=args.rate, seed=args.seed)
         rows_name = f"engine_prefill_rows_{args.compare_prefill_rows}"
         # (name, prefix cache, prompts per prefill call, conversations, load)

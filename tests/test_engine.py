@@ -16,7 +16,7 @@ import pytest
 
 import ling_jax
 from ling_jax.config import LingConfig
-from ling_jax.engine import Engine, QueueFull, SamplingParams
+from ling_jax.engine import Engine, QueueFull, SamplingParams, device
 from ling_jax.params import init_params
 
 
@@ -69,20 +69,20 @@ def _serve(engine):
     return engine
 
 
-@pytest.mark.parametrize("n,concurrency,rows", [(24, 8, 1), (24, 8, 3),
-                                               pytest.param(200, 32, 1, marks=pytest.mark.heavy),
-                                               pytest.param(200, 32, 4, marks=pytest.mark.heavy)])
-def test_tokens_equal_generate_under_concurrency(model, n, concurrency, rows):
+@pytest.mark.parametrize("n,concurrency,rows,unroll", [(24, 8, 1, False), (24, 8, 3, True),
+                                                      pytest.param(200, 32, 1, False, marks=pytest.mark.heavy),
+                                                      pytest.param(200, 32, 4, False, marks=pytest.mark.heavy)])
+def test_tokens_equal_generate_under_concurrency(model, n, concurrency, rows, unroll):
     """Requests of random lengths from more clients than slots, greedy with ignore_eos: each one's tokens
     are `generate`'s for its prompt alone. Prompts longer than a chunk are prefilled in several chunks
-    between other requests' decode steps, the chunks of up to `rows` prompts in one call; slots and
-    pages are reused."""
+    between other requests' decode steps, the chunks of up to `rows` prompts in one call (the layers
+    scanned, or with `unroll_prefill` unrolled); slots and pages are reused."""
     cfg, params = model
     rng = np.random.default_rng(n)
     prompts = _prompts(rng, cfg, n, 1, 90)
     max_tokens = [int(m) for m in rng.integers(1, 20, n)]
     engine = _serve(Engine(cfg, params, max_batch=8, max_len=128, page_size=16, prefill_chunk=32, decode_steps=4,
-                           prefill_rows=rows))
+                           prefill_rows=rows, unroll_prefill=unroll))
     try:
         got = _concurrent(engine, prompts, max_tokens, concurrency)
         stats = engine.stats()
@@ -93,6 +93,22 @@ def test_tokens_equal_generate_under_concurrency(model, n, concurrency, rows):
     assert stats["generation_tokens_total"] == sum(max_tokens)
     if rows > 1:  # some calls ran several prompts' chunks
         assert stats["prefill_calls_total"] < stats["prefill_chunks_total"]
+
+
+def test_unroll_prefill_unrolls_the_layer_scans():
+    """`unroll_prefill` makes the prefill call one straight-line program: a 3-group stack's layers each
+    appear in it (their norms counted) instead of once inside a loop."""
+    cfg = dataclasses.replace(LingConfig.preset("debug"), num_hidden_layers=12)
+    params = init_params(cfg, seed=3)
+
+    def norms(unroll):
+        e = Engine(cfg, params, max_batch=2, max_len=64, page_size=16, prefill_chunk=32, unroll_prefill=unroll)
+        lowered = device.prefill_chunk.lower(cfg, e.k_prefill, False, unroll, e.params, e.cache, e.staging,
+                                             e.drafting, *e._prefill_args(1, 32, []))
+        return lowered.as_text().count("stablehlo.rsqrt")
+
+    scanned, unrolled = norms(False), norms(True)
+    assert unrolled > 2 * scanned
 
 
 def test_golden_greedy_tokens(golden_a):

@@ -7,7 +7,8 @@ An `Engine` (Ling-3.0-tiny shape, random bf16 weights, `--batch` slots, `--max-l
 its compiled functions called directly on its own cache. Timed (median of `--reps` synchronised
 calls after one that compiles):
 - `device.prefill_chunk` in each shape an engine of `--prefill-chunk` and `--prefill-rows` compiles
-  (`Engine.prefill_shapes`: prompts x chunk), the prompts' first chunks (slots 0, 1, ...);
+  (`Engine.prefill_shapes`: prompts x chunk), the prompts' first chunks (slots 0, 1, ...), its layers
+  scanned or, `--unroll-prefill`, unrolled;
 - `device.decode_steps` of 1 and `--decode-steps` steps over every slot, each slot at `--context`
   tokens, and `decode.decode_loop` (what static `generate` runs) of `--decode-steps` greedy tokens
   over a cache of `--batch` rows at the same context: ms per step of both; with `--output-snapshots`,
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode calls and decode_loop (no prefill)")
     ap.add_argument("--output-snapshots", action="store_true",
                     help="also the decode call with the prefix cache's output snapshots on (a second engine)")
+    ap.add_argument("--unroll-prefill", action="store_true", help="the engine's prefill calls with layers unrolled")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="debug preset, small shapes (CPU check)")
     args = ap.parse_args()
@@ -76,12 +78,14 @@ def main() -> None:
     else:
         params = random_params(cfg, jnp.bfloat16)
     engine = Engine(cfg, params, max_batch=args.batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    prefill_rows=min(args.prefill_rows, args.batch), decode_steps=args.decode_steps)
+                    prefill_rows=min(args.prefill_rows, args.batch), decode_steps=args.decode_steps,
+                    unroll_prefill=args.unroll_prefill)
     tables = 1 + np.arange(args.batch * engine.max_pages, dtype=np.int32).reshape(args.batch, -1)  # slot b's pages
     room = args.max_len - args.context - (1 + args.reps) * args.decode_steps * (3 if args.profile else 1)
     if room < 0:
         raise SystemExit(f"--max-len {args.max_len} leaves no room for the decode calls after --context {args.context}")
-    result: dict[str, Any] = {**machine(), "preset": preset, "batch": args.batch, "max_len": args.max_len,
+    result: dict[str, Any] = {**machine(), "preset": preset, "unroll_prefill": args.unroll_prefill,
+                              "batch": args.batch, "max_len": args.max_len,
                               "context": args.context, "reps": args.reps, "prefill_call": {}, "decode_call": {},
                               "batch_prefill": {}}
 
@@ -89,7 +93,8 @@ def main() -> None:
         """A prefill call of the first chunk (c tokens) of `rows` prompts, in slots 0 .. rows - 1."""
         r = np.arange(rows, dtype=np.int32)
         engine.cache, engine.staging, engine.drafting, out = device.prefill_chunk(
-            cfg, engine.k_prefill, False, engine.params, engine.cache, engine.staging, engine.drafting,
+            cfg, engine.k_prefill, False, engine.unroll_prefill, engine.params, engine.cache, engine.staging,
+            engine.drafting,
             tables[:rows], r, r, np.ones((rows, c), np.int32), np.zeros(rows, np.int32), np.full(rows, c, np.int32),
             np.zeros((rows, c), np.int32), np.zeros((rows, *engine._key_shape), np.uint32),
             np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32))

@@ -123,8 +123,8 @@ def _write_back(cache: Cache, new: list[Any], rows_R: jax.Array, page_table_RN: 
     return jax.tree_util.tree_map_with_path(put, cache["segments"], new)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
-def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, params: Params, cache: Cache,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7))
+def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, unroll: bool, params: Params, cache: Cache,
                   staging: Cache, drafting: Drafting | None, page_table_RN: jax.Array, slot_R: jax.Array,
                   srow_R: jax.Array, ids_RC: jax.Array, start_R: jax.Array, n_valid_R: jax.Array,
                   targets_RC: jax.Array, key_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
@@ -150,7 +150,8 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
     with `prompt_logprobs`, per position i < n_valid the log-probability of targets_RC[r, i] (the
     prompt's next token) and the top tokens ("prompt_logprob" [R, C], "prompt_top_ids" /
     "prompt_top_logprobs" [R, C, n]). The MLA layers attend over each slot's cached rows and its chunk
-    in the absorbed form.
+    in the absorbed form. `unroll`: the layers as one straight-line program instead of scans over the
+    layer stacks (longer compiles).
     """
     r, c = ids_RC.shape
     valid_RC = jnp.arange(c)[None] < n_valid_R[:, None]
@@ -172,7 +173,7 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, para
         x, new, _ = decoder_layer(p, x, lim, cfg=cfg, kernels=kernels, ffn=ffn, mix=mix)
         return x, new
 
-    x, new = run_stack(cfg, params, embed(params, ids_RC), layer, caches=caches)
+    x, new = run_stack(cfg, params, embed(params, ids_RC), layer, caches=caches, unroll=unroll)
     real_R = n_valid_R > 0
     slot_R = jnp.where(real_R, slot_R, cache["lengths"].shape[0])  # padding rows: out of range, dropped
     srow_R = jnp.where(real_R, srow_R, staging["lengths"].shape[0])

@@ -152,6 +152,7 @@ class Engine:
     (plain decoding; with speculation every call runs all slots); `max_waiting`:
     queued requests beyond which `submit` raises `QueueFull`; `mesh`: the mesh
     every call runs under (`jax.set_mesh`); `unroll_layers`: the decode step's layers unrolled;
+    `unroll_prefill`: the prefill calls' layers unrolled too (`device.prefill_chunk`; longer compiles);
     `prefix_cache`, `prefix_cache_gb`, `snapshot_pages`, `cache_outputs`: the prefix cache (module doc;
     `cache_outputs`: decode steps snapshot at page boundaries too, so a prompt that continues a
     request's output reuses it);
@@ -167,7 +168,8 @@ class Engine:
                  page_size: int = 64, num_pages: int | None = None, prefill_chunk: int = 512,
                  prefill_rows: int = 1, token_budget: int | None = None, decode_steps: int = 8,
                  decode_buckets: Sequence[int] | None = None, max_waiting: int = 256, mesh: Any = None,
-                 unroll_layers: bool = True, speculative_tokens: int = 0, prefix_cache: bool = False,
+                 unroll_layers: bool = True, unroll_prefill: bool = False, speculative_tokens: int = 0,
+                 prefix_cache: bool = False,
                  prefix_cache_gb: float = 1.0, snapshot_pages: int = 32, cache_outputs: bool = True):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
                                ("prefill_chunk", prefill_chunk, 1), ("prefill_rows", prefill_rows, 1),
@@ -209,6 +211,7 @@ class Engine:
             (prefill_rows, c) for c in sorted({max(MIN_CHUNK, prefill_chunk // 4), prefill_chunk}) if prefill_rows > 1]
         self.token_budget = token_budget or prefill_rows * self.chunks[-1]
         self.decode_steps, self.max_waiting, self.mesh = decode_steps, max_waiting, mesh
+        self.unroll_prefill = bool(unroll_prefill)
         self.eos = frozenset(config.eos_token_id)
         dtype = self.dtype = params["embed"].dtype
         with self._mesh():
@@ -354,8 +357,8 @@ class Engine:
 
         def prefill(rows: int, c: int, lp: bool) -> Any:
             self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-                self.config, self.k_prefill, lp, self.params, self.cache, self.staging, self.drafting,
-                *self._prefill_args(rows, c, []))
+                self.config, self.k_prefill, lp, self.unroll_prefill, self.params, self.cache, self.staging,
+                self.drafting, *self._prefill_args(rows, c, []))
             return out
 
         def decode(rows: int, steps: int, sampled: bool, lp: bool) -> Any:
@@ -560,8 +563,8 @@ class Engine:
         rows, c = next((r, c) for r, c in self.prefill_shapes if r >= len(group) and c >= max(n for _, _, n in group))
         want_lp = any(s.handle.sampling.prompt_logprobs is not None for _, s, _ in group)
         self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-            self.config, self.k_prefill, want_lp, self.params, self.cache, self.staging, self.drafting,
-            *self._prefill_args(rows, c, group))
+            self.config, self.k_prefill, want_lp, self.unroll_prefill, self.params, self.cache, self.staging,
+            self.drafting, *self._prefill_args(rows, c, group))
         self.counters["prefill_calls_total"] += 1
         self.counters["prefill_chunks_total"] += len(group)
         starts = [s.prefilled for _, s, _ in group]
