@@ -74,6 +74,19 @@ def test_engine_calls_runs(tmp_path):
 
 
 @pytest.mark.heavy
+def test_compile_probe_runs(tmp_path):
+    """bench/experiments/compile_probe.py on the CPU (`--smoke`): each call's compilations recorded; on the
+    CPU a call compiled once compiles nothing again, in any thread, nor through the engine's thread."""
+    out = tmp_path / "out.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "experiments" / "compile_probe.py"), "--smoke", "--out",
+                    str(out)], check=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    steps = {s["call"]: s["compiled"] for s in json.loads(out.read_text())["steps"]}
+    assert steps["prefill"] == ["jit(prefill_chunk)"] and steps["decode 16 slots x 1"] == ["jit(decode_steps)"]
+    assert all(not c for name, c in steps.items() if "again" in name or "after" in name or "thread" in name)
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("prefix", [False, True])
 def test_serve_loop_runs(tmp_path, prefix):
     """bench/experiments/serve_loop.py on the CPU (`--smoke`, with and without the prefix cache): the
