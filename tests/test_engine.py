@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import threading
 
 import jax
@@ -109,6 +110,27 @@ def test_unroll_prefill_unrolls_the_layer_scans():
 
     scanned, unrolled = norms(False), norms(True)
     assert unrolled > 2 * scanned
+
+
+@pytest.mark.parametrize("call", ["prefill", "speculative"])
+def test_engine_calls_copy_no_page_pool(model, call):
+    """The compiled prefill and speculative calls write the new latents into each MLA layer's page pool in
+    place: XLA copies no pool (it would, to keep the rows the layers' attention reads, were the writes not
+    ordered after the last layer)."""
+    cfg, params = model
+    e = Engine(cfg, params, max_batch=4, max_len=256, page_size=16, prefill_chunk=64,
+               speculative_tokens=2 if call == "speculative" else 0)
+    if call == "prefill":
+        lowered = device.prefill_chunk.lower(cfg, e.k_prefill, False, False, e.params, e.cache, e.staging,
+                                             e.drafting, *e._prefill_args(1, 64, []))
+    else:
+        b = e.max_batch
+        lowered = device.speculative_step.lower(
+            cfg, e.k_prefill, 2, False, True, e.params, e.cache, e.drafting, np.zeros((b, e.max_pages), np.int32),
+            np.ones(b, bool), np.zeros((b, 3), np.int32), np.ones(b, np.int32), np.zeros((b, *e._key_shape), np.uint32),
+            np.zeros(b, np.int32), np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32))
+    copies = re.findall(r"= (\S+) copy\(", lowered.compile().as_text())
+    assert copies and not [c for c in copies if f"{e.num_pages},16," in c]
 
 
 def test_golden_greedy_tokens(golden_a):

@@ -174,6 +174,9 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, unro
         return x, new
 
     x, new = run_stack(cfg, params, embed(params, ids_RC), layer, caches=caches, unroll=unroll)
+    # the writes below wait for the last layer: else XLA may write a segment's new latents into its pool
+    # before that segment's attention has read the pool, and copies every pool to keep the old rows
+    x, new = jax.lax.optimization_barrier((x, new))
     real_R = n_valid_R > 0
     slot_R = jnp.where(real_R, slot_R, cache["lengths"].shape[0])  # padding rows: out of range, dropped
     srow_R = jnp.where(real_R, srow_R, staging["lengths"].shape[0])
@@ -429,6 +432,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
         lambda path, leaf: gather_pages(leaf, page_table_BN) if path[-1].key == "pages" else leaf, cache["segments"])
     logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, {"segments": _as_latent(view), "lengths": lengths},
                                          jnp.concatenate([pending, drafts], axis=1), unroll)
+    # the page writes below wait for the last layer (as `prefill_chunk`'s): no pool copied
+    logits_BTV, h_BTD, new = jax.lax.optimization_barrier((logits_BTV, h_BTD, new))
     n, final = accept(logits_BTV, drafts, logq, keys, index_B, *sampling)
     advance = jnp.where(active_B, n + 1, 0)
     pos_BT = lengths[:, None] + jnp.arange(t)[None]
