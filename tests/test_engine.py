@@ -213,6 +213,7 @@ def test_a_row_near_max_len_takes_the_steps_left(model):
     assert h.result() == _reference(cfg, params, prompt, [10])[0] and not compiles, compiles
 
 
+@pytest.mark.heavy  # suite time
 def test_decode_buckets_run_the_slots_in_use(model):
     """With decode buckets (1, 2) of 4 slots, a decode call runs the first slots up to the smallest
     bucket holding every decoding slot: 1 while one request runs, 2 with two, all 4 once slot 2 is

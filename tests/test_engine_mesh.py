@@ -88,7 +88,8 @@ def _assert_laid_out(engine: Engine, mesh) -> None:
 
 
 @pytest.mark.parametrize("mesh_sizes,prefix,spec,rows,buckets", [
-    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 1, None, id="2x2x2-prefix"),
+    pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 1, None, marks=pytest.mark.heavy,
+                 id="2x2x2-prefix"),
     pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 2, 1, None, marks=pytest.mark.heavy,
                  id="2x2x2-prefix-speculative"),
     pytest.param((("data", 2), ("expert", 2), ("tensor", 2)), True, 0, 3, None, marks=pytest.mark.heavy,

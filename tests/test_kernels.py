@@ -123,7 +123,8 @@ def _forward_and_grad(cfg, params, ids):
     return jax.value_and_grad(loss)
 
 
-@pytest.mark.parametrize("platform", ["tpu", pytest.param("cuda", marks=pytest.mark.heavy)])  # heavy: suite time
+@pytest.mark.heavy  # suite time
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_export_carries_the_platforms_kernels(platform, h200_lowering):
     """`forward` and its gradient with kda_impl="pallas", traced on this CPU host and exported for a
     TPU or a CUDA GPU, carry that platform's kernels (Mosaic / Triton custom calls), chosen at

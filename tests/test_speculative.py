@@ -163,7 +163,8 @@ def test_greedy_tokens_unchanged(debug_model, k):
     assert out == generate(cfg, params, prompts, max_new_tokens=12, stop_tokens=[stop])
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.heavy), 2, pytest.param(3, marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # suite time
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_golden_greedy_decode_speculative(golden_a, k):
     """The reference's greedy tokens of golden set A, decoded with k drafts per step: the MTP layer's
     drafts (this random model's are all rejected) and drafts forced to the reference tokens (accepted
@@ -249,6 +250,7 @@ def test_acceptance_keeps_the_model_distribution(temperature, top_k, top_p):
     assert np.abs(p[0] - q[0]).sum() > 0.3  # the test distinguishes p from q
 
 
+@pytest.mark.heavy  # suite time
 def test_sampled_tokens_have_the_model_distribution():
     """Over 2000 seeds, the tokens sampled with 2 drafts per step (MTP drafts, top-k and top-p on)
     and without speculation both follow the model's marginal distribution at each output index,
