@@ -169,8 +169,8 @@ class Engine:
                  prefill_rows: int = 1, token_budget: int | None = None, decode_steps: int = 8,
                  decode_buckets: Sequence[int] | None = None, max_waiting: int = 256, mesh: Any = None,
                  unroll_layers: bool = True, unroll_prefill: bool = False, speculative_tokens: int = 0,
-                 prefix_cache: bool = False,
-                 prefix_cache_gb: float = 1.0, snapshot_pages: int = 32, cache_outputs: bool = True):
+                 prefix_cache: bool = False, prefix_cache_gb: float = 1.0, snapshot_pages: int = 32,
+                 cache_outputs: bool = True):
         for name, v, least in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1),
                                ("prefill_chunk", prefill_chunk, 1), ("prefill_rows", prefill_rows, 1),
                                ("decode_steps", decode_steps, 1),
