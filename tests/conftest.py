@@ -93,16 +93,18 @@ def golden_fp8():
 MAPS_PATH, MAX_MAPS_PATH = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """After each test module, drops JAX's caches of compiled programs once this process holds more
-    than a third of the kernel's memory-map limit (Linux `vm.max_map_count`, 65530 by default).
+    """After each test, drops JAX's caches of compiled programs once this process holds more than a
+    third of the kernel's memory-map limit (Linux `vm.max_map_count`, 65530 by default).
 
     Every XLA:CPU executable keeps its code in memory maps, and the jit caches keep the executables:
-    the interpret-mode Pallas tests add 200-400 maps each, and the default suite's single process
-    crossed the limit late in the run, where XLA:CPU then segfaulted compiling test_train's bf16 step
-    (which passes alone). Clearing at module boundaries, only when needed, keeps the shared caches
-    for the many modules that stay small."""
+    the interpret-mode Pallas tests add 200-400 maps each, an engine test thousands. XLA:CPU segfaults
+    compiling once a process crosses the limit (seen in the default suite, at test_train's bf16 step,
+    and in the heavy cases, within test_engine.py: each passes alone). Checking after every test, not
+    at module boundaries, bounds what one module can add; clearing only when needed keeps the shared
+    caches for the many tests that stay small. (Tests count their compiles within themselves, so a
+    clear between two tests changes no outcome.)"""
     yield
     if not (MAPS_PATH.exists() and MAX_MAPS_PATH.exists()):
         return
