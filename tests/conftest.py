@@ -93,26 +93,40 @@ def golden_fp8():
 MAPS_PATH, MAX_MAPS_PATH = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
 
 
-@pytest.fixture(autouse=True)
-def _release_compiled_programs():
-    """After each test, drops JAX's caches of compiled programs once this process holds more than a
-    third of the kernel's memory-map limit (Linux `vm.max_map_count`, 65530 by default).
+def _release_compiled_programs(share: float) -> None:
+    """Drops JAX's caches of compiled programs once this process holds more than `share` of the
+    kernel's memory-map limit (Linux `vm.max_map_count`, 65530 by default).
 
     Every XLA:CPU executable keeps its code in memory maps, and the jit caches keep the executables:
     the interpret-mode Pallas tests add 200-400 maps each, an engine test thousands. XLA:CPU segfaults
     compiling once a process crosses the limit (seen in the default suite, at test_train's bf16 step,
-    and in the heavy cases, within test_engine.py: each passes alone). Checking after every test, not
-    at module boundaries, bounds what one module can add; clearing only when needed keeps the shared
-    caches for the many tests that stay small. (Tests count their compiles within themselves, so a
-    clear between two tests changes no outcome.)"""
-    yield
+    and in the heavy cases, inside test_engine.py: each passes alone)."""
     if not (MAPS_PATH.exists() and MAX_MAPS_PATH.exists()):
         return
     with MAPS_PATH.open() as f:
         n_maps = sum(1 for _ in f)
-    if n_maps > int(MAX_MAPS_PATH.read_text()) // 3:
+    if n_maps > int(MAX_MAPS_PATH.read_text()) * share:
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_between_modules():
+    """After each test module, past a third of the limit: the next module mostly compiles programs of
+    its own, so clearing there costs little, and keeps the shared caches for the modules that stay
+    small."""
+    yield
+    _release_compiled_programs(1 / 3)
+
+
+@pytest.fixture(autouse=True)
+def _release_inside_a_module():
+    """After each test, past half of the limit: bounds what one module's tests can add between two
+    module boundaries (an engine test adds about 5 k maps), while clearing less often than the module
+    check, since a clear inside a module recompiles its shared programs. No test counts compiles
+    across a test boundary, so a clear between two tests changes no outcome."""
+    yield
+    _release_compiled_programs(1 / 2)
 
 
 @pytest.fixture
