@@ -27,7 +27,8 @@ every configuration and prints where the device time goes (`bench/device_profile
 
 `--speculative-tokens K [K ...]` times speculative decoding's parts instead, at each batch and context, in
 the same process on the same random cache: the one-token step (`decode_step`, as the loop runs it),
-the verify step of K + 1 positions per row with the commit of all of them (`decode.verify`), and the
+the verify step of K + 1 positions per row with the commit of all of them (`decode.verify`: its row form,
+as the loop runs it unrolled; `--sequence-form` times its sequence forms too), and the
 K drafts of the MTP layer (`decode.speculative.mtp_drafts`); it reports verify / one-token step and
 (drafts + verify) / one-token step, the mean accepted length above which a speculative step beats
 one-token steps (the acceptance, sampling and output handling left out).
@@ -60,7 +61,7 @@ from ling_jax.cache import cache_length, cache_shapes
 from ling_jax.config import LingConfig
 from ling_jax.decode import decode_loop, decode_step, fuse_for_decode
 from ling_jax.decode.speculative import mtp_drafts
-from ling_jax.decode.verify import commit, verify_step
+from ling_jax.decode.verify import commit, verify_rows, verify_step
 from ling_jax.kernels import Kernels, select, tuned
 from train.flops import ffn_matmul_params, kda_matmul_params, mla_matmul_params
 
@@ -167,11 +168,15 @@ def measure(cfg: LingConfig, params: Any, b: int, ctx: int, args: argparse.Names
 _one_token = jax.jit(decode_step, static_argnums=(0, 1, 5), donate_argnums=(3,))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 5, 6), donate_argnums=(3,))
 def _verify_all(cfg: LingConfig, kernels: Kernels, params: Any, cache: dict, tokens_BT: jax.Array,
-                unroll: bool) -> tuple[dict, jax.Array]:
-    """The verify step on T tokens per row, all committed: (cache advanced by T, logits [B, T, V])."""
-    logits, _, new = verify_step(cfg, kernels, params, cache, tokens_BT, unroll)
+                unroll: bool, rows: bool) -> tuple[dict, jax.Array]:
+    """The verify step on T tokens per row, all committed: (cache advanced by T, logits [B, T, V]). `rows`:
+    its row form (`verify_rows`: a decode record, fused params), else its sequence forms."""
+    if rows:
+        logits, _, new = verify_rows(cfg, kernels, params, cache, tokens_BT)
+    else:
+        logits, _, new = verify_step(cfg, kernels, params, cache, tokens_BT, unroll)
     return commit(cache, new, jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)), logits
 
 
@@ -216,8 +221,9 @@ def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: ar
                                                                        + cfg.qk_rope_head_dim))).astype(dtype)
         hidden = jax.random.normal(jax.random.key(2), (b, k + 1, cfg.hidden_size), dtype)
 
-        def verify(k: int = k) -> jax.Array:
-            state["verify"], logits = _verify_all(cfg, seq_kernels, params, state["verify"], toks[:, :k + 1], unroll)
+        def verify(k: int = k, rows: bool = unroll) -> jax.Array:
+            kernels, p = (decode_kernels, fused) if rows else (seq_kernels, params)
+            state["verify"], logits = _verify_all(cfg, kernels, p, state["verify"], toks[:, :k + 1], unroll, rows)
             return logits
 
         def drafts(k: int = k, hidden: jax.Array = hidden) -> jax.Array:
@@ -226,10 +232,13 @@ def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: ar
             return out
 
         verify_ms, drafts_ms = (1e3 * median_time(fn, reps=reps) for fn in (verify, drafts))
-        runs.append({"variant": name, "batch": b, "context": ctx, "speculative_tokens": k,
-                     "one_token_step_ms": one_ms, "verify_step_ms": verify_ms, "drafts_ms": drafts_ms,
-                     "verify_over_one_token": verify_ms / one_ms,
-                     "breakeven_accepted_length": (verify_ms + drafts_ms) / one_ms})
+        run = {"variant": name, "batch": b, "context": ctx, "speculative_tokens": k,
+               "verify_form": "rows" if unroll else "sequence", "one_token_step_ms": one_ms,
+               "verify_step_ms": verify_ms, "drafts_ms": drafts_ms, "verify_over_one_token": verify_ms / one_ms,
+               "breakeven_accepted_length": (verify_ms + drafts_ms) / one_ms}
+        if unroll and args.sequence_form:
+            run["verify_sequence_form_ms"] = 1e3 * median_time(functools.partial(verify, rows=False), reps=reps)
+        runs.append(run)
     return runs
 
 
@@ -250,6 +259,8 @@ def main() -> None:
                     help="with --profile: also keep the first N kernels of a traced call in launch order")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="also time every configuration with these tuned constants (module doc)")
+    ap.add_argument("--sequence-form", action="store_true",
+                    help="--speculative-tokens: also time the verify step's sequence forms (unrolled)")
     ap.add_argument("--speculative-tokens", type=int, nargs="+", default=[], metavar="K",
                     help="time the one-token step, and for each K the verify step of K + 1 positions and K MTP "
                     "drafts (module doc)")
@@ -282,7 +293,9 @@ def main() -> None:
                                   f"{run['one_token_step_ms']:8.3f} ms  verify ({k + 1} positions) "
                                   f"{run['verify_step_ms']:8.3f} ms ({run['verify_over_one_token']:.2f}x)  {k} drafts "
                                   f"{run['drafts_ms']:8.3f} ms  break-even accepted length "
-                                  f"{run['breakeven_accepted_length']:.2f}", flush=True)
+                                  f"{run['breakeven_accepted_length']:.2f}"
+                                  + (f"  sequence-form verify {run['verify_sequence_form_ms']:8.3f} ms"
+                                     if "verify_sequence_form_ms" in run else ""), flush=True)
                         write_json(args.out, result)
                         continue
                     result["runs"].append(run := measure(cfg, params, b, ctx, args, bw, name))

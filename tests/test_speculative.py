@@ -17,7 +17,8 @@ import ling_jax
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import row_keys
 from ling_jax.decode.speculative import accept, draft_token, index_keys, mtp_drafts, speculative_loop
-from ling_jax.decode.verify import commit, prefill_speculative, verify_step
+from ling_jax.decode.step import fuse_for_decode
+from ling_jax.decode.verify import commit, prefill_speculative, verify_rows, verify_step
 from ling_jax.generate import generate
 from ling_jax.kernels import select
 from ling_jax.params import init_params
@@ -39,19 +40,24 @@ def _prompts(cfg, lengths=(7, 3, 12, 1, 5), seed=1):
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "layer_scans"])
-def test_verify_and_commit_equal_one_token_steps(debug_model, unroll):
+@pytest.mark.parametrize("form", ["unrolled", "layer_scans", "rows"])
+def test_verify_and_commit_equal_one_token_steps(debug_model, form):
     """Verifying T tokens per row gives the logits of T one-token steps, and committing a[b] of them
     (0..T, per row) gives the cache of a[b] one-token steps (rows past the new lengths aside); the
-    verify's layers unrolled and in scans."""
+    verify's sequence forms with layers unrolled and in scans, and its row form (`verify_rows`)."""
     cfg, params = debug_model
     rng = np.random.default_rng(0)
     lengths = jnp.asarray([9, 4, 6, 2])
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 9)))
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 3)))
     cache, _ = prefill_cache(cfg, params, prompt, lengths, 16)
-    logits, _, new = jax.jit(verify_step, static_argnums=(0, 1, 5))(cfg, _kernels(cfg, params), params, cache,
-                                                                     tokens, unroll)
+    if form == "rows":
+        kernels = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=True)
+        fused = fuse_for_decode(cfg, kernels, params)
+        logits, _, new = jax.jit(verify_rows, static_argnums=(0, 1))(cfg, kernels, fused, cache, tokens)
+    else:
+        logits, _, new = jax.jit(verify_step, static_argnums=(0, 1, 5))(cfg, _kernels(cfg, params), params, cache,
+                                                                         tokens, form == "unrolled")
     steps, c = [cache], cache
     want = []
     for i in range(3):

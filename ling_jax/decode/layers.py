@@ -28,6 +28,7 @@ from ling_jax.layers import mla as mla_layers
 from ling_jax.layers.moe import expert_parallel, router_logits, select
 from ling_jax.layers.rope import apply_rope
 from ling_jax.ops.expert_gemv import GatedRows, NormedRows, dense
+from ling_jax.ops.kda import kimi_delta_attention
 from ling_jax.ops.kda.decode import kda_decode_step, kda_decode_step_pallas
 from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_layer
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
@@ -38,6 +39,7 @@ from ling_jax.ops.mla_decode import latent_attention, latent_attention_paged
 from ling_jax.ops.moe import EXPERT_LEAVES, ExpertStack, SharedStacks, materialize, routed_experts
 from ling_jax.ops.norms import gated_rms_norm
 from ling_jax.ops.route_pallas import select_experts
+from ling_jax.ops.short_conv import conv_silu
 from ling_jax.ops.swiglu import swiglu_act
 from ling_jax.params import Params
 from ling_jax.sharding import context_mesh, per_shard
@@ -219,6 +221,40 @@ def kda(p: dict[str, Any], x_B1D: Rows, cache: dict[str, jax.Array] | KdaCacheSt
     return lin(o.reshape(b, 1, h * dh), p["o_proj"]), {"state": state, "conv": conv_state}
 
 
+def kda_rows(p: dict[str, Any], x_R1D: Rows, cache: dict[str, jax.Array], t: int, *, cfg: LingConfig,
+             kernels: Kernels) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`kda` for T consecutive tokens per sequence given as rows r = b * T + i (the verify step's row
+    form): the projections over all R = B * T rows (one product per weight), the short conv from the
+    cached window and the token recurrence from the cached state per sequence. Returns (out [R, 1, D],
+    what `verify.commit` advances the cache with: "k" (L2-normed) [B, T, H, K], "v" [B, T, H, V], "g"
+    (log decay) [B, T, H, K] f32, "beta" [B, T, H] f32, "inputs" (the conv's) [B, T, 3P]). cache:
+    {"state" [B, H, K, V], "conv" [B, W-1, 3P]}, unchanged."""
+    lin = functools.partial(linear, launch=kernels.tuning.launch)
+    x = dense(x_R1D)
+    r, h, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+    b = r // t
+    if FUSED_INPUT in p:
+        q, k, v, f, z, bl = _column_slices(p, _kda_inputs(p), lin(x, p[FUSED_INPUT]))
+        qkv = jnp.concatenate([q, k, v], axis=-1)
+        f = f if "f_proj" in p else lin(f, p["f_b_proj"])
+        z = z if "g_proj" in p else lin(z, p["g_b_proj"])
+    else:
+        qkv = jnp.concatenate([lin(x, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
+        f, z, bl = _proj(x, p, "f", lin), _proj(x, p, "g", lin), lin(x, p["b_proj"])
+    qkv_BT3P = qkv.reshape(b, t, -1)
+    w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
+    q_, k_, v_ = (a.reshape(b, t, h, dh) for a in jnp.split(conv_silu(qkv_BT3P, w_3PW, None, cache["conv"]), 3, -1))
+    q_, k_ = l2_normalize(q_), l2_normalize(k_)
+    g_BTHK = kda_gate(f.reshape(b, t, h, dh), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    beta_BTH = jax.nn.sigmoid(bl.reshape(b, t, h).astype(jnp.float32))
+    with jax.named_scope("recurrence"):
+        o_BTHV, _ = kimi_delta_attention(q_, k_, v_, g_BTHK, beta_BTH, scale=dh**-0.5, initial_state=cache["state"],
+                                         impl="reference")
+    o = gated_rms_norm(o_BTHV, z.reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
+    return (lin(o.reshape(r, 1, h * dh), p["o_proj"]),
+            {"k": k_, "v": v_, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P})
+
+
 def _proj(x: jax.Array, p: dict[str, Any], name: str, lin: Callable[..., jax.Array]) -> jax.Array:
     if f"{name}_proj" in p:
         return lin(x, p[f"{name}_proj"])
@@ -279,6 +315,39 @@ def mla(p: dict[str, Any], x_BD: Rows, latent: jax.Array | LatentStack | PagedLa
     cached [c ‖ k_rot] rows j < lengths[b] plus the new one at scale 1/sqrt(qk_head_dim), and W_UV
     up-projects the weighted latent afterwards. cos/sin: [B, 1, d_r / 2] for each row's position.
     """
+    q_BHW, new_BW, gate_B1X = _mla_query(p, x_BD, cfg=cfg, kernels=kernels, cos=cos, sin=sin)
+    with jax.named_scope("latent_attention"):
+        m_BHR = _attend(q_BHW, latent, lengths_B, new_BW, cfg=cfg, kernels=kernels)
+    return _mla_output(p, m_BHR, gate_B1X, cfg=cfg, kernels=kernels), new_BW
+
+
+def mla_rows(p: dict[str, Any], x_RD: Rows, pages: PagedLatent, positions_R: jax.Array, write_R: jax.Array, *,
+             cfg: LingConfig, kernels: Kernels, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`mla` for rows that continue each other (the verify step's positions of one sequence as rows
+    sharing its pages): each row's new latent row is first written into the paged pool at its
+    position (`write_R`: [R] bool; a row not written drops its write), then every row attends over
+    the pool's positions j < positions[r] and its own row, so a row sees the rows of the earlier
+    positions written beside it. pages: a `PagedLatent` with a stacked pool and each row's page
+    table. Returns (out [R, D], the pool stack with the rows written)."""
+    q_RHW, new_RW, gate_R1X = _mla_query(p, x_RD, cfg=cfg, kernels=kernels, cos=cos, sin=sin)
+    page_size = pages.pool.shape[-2]
+    table_RN = pages.page_table
+    n_pages, capacity = pages.pool.shape[-3], table_RN.shape[1] * page_size
+    slot_R = jnp.minimum(positions_R // page_size, table_RN.shape[1] - 1)
+    page_R = jnp.take_along_axis(table_RN, slot_R[:, None], axis=1)[:, 0]
+    page_R = jnp.where(write_R & (positions_R < capacity), page_R, n_pages)  # out of range: dropped
+    pool = pages.pool.at[pages.layer, page_R, positions_R % page_size].set(new_RW.astype(pages.pool.dtype),
+                                                                            mode="drop")
+    with jax.named_scope("latent_attention"):
+        m_RHR = _attend(q_RHW, PagedLatent(pool, table_RN, pages.layer), positions_R, new_RW, cfg=cfg,
+                        kernels=kernels)
+    return _mla_output(p, m_RHR, gate_R1X, cfg=cfg, kernels=kernels), pool
+
+
+def _mla_query(p: dict[str, Any], x_BD: Rows, *, cfg: LingConfig, kernels: Kernels, cos: jax.Array,
+               sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`mla`'s absorbed query [B, H, r + d_r], the token's new latent row [B, r + d_r] and its output
+    gate's input [B, 1, X]."""
     lin = functools.partial(linear, launch=kernels.tuning.launch)
     x_B1D = x_BD[:, None]
     dt = x_BD.dtype
@@ -292,13 +361,19 @@ def mla(p: dict[str, Any], x_BD: Rows, latent: jax.Array | LatentStack | PagedLa
     q_nope_BHN, q_rot_BHd = q_BHD[..., :dn], apply_rope(q_BHD[:, None, :, dn:], cos, sin)[:, 0]
     c_B1R, k_rot_B1d = mla_layers.mla_latent(p, ckv_B1W, cfg)
     new_BW = jnp.concatenate([c_B1R, apply_rope(k_rot_B1d, cos, sin)], axis=-1)[:, 0]
-    w_uk_RHN, w_uv_RHV = mla_layers.absorbed_weights(p, cfg)
+    w_uk_RHN, _ = mla_layers.absorbed_weights(p, cfg)
     q_lat_BHR = jnp.einsum("bhn,rhn->bhr", q_nope_BHN, w_uk_RHN.astype(dt), preferred_element_type=jnp.float32)
-    q_BHW = jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1)
-    with jax.named_scope("latent_attention"):
-        m_BHR = _attend(q_BHW, latent, lengths_B, new_BW, cfg=cfg, kernels=kernels)
+    return jnp.concatenate([q_lat_BHR.astype(dt), q_rot_BHd], axis=-1), new_BW, gate_B1X
+
+
+def _mla_output(p: dict[str, Any], m_BHR: jax.Array, gate_B1X: jax.Array, *, cfg: LingConfig,
+                kernels: Kernels) -> jax.Array:
+    """`mla`'s output [B, D] from the attention's weighted latent [B, H, r]: W_UV, the gate, o_proj."""
+    lin = functools.partial(linear, launch=kernels.tuning.launch)
+    _, w_uv_RHV = mla_layers.absorbed_weights(p, cfg)
+    dt = gate_B1X.dtype
     o_BHV = jnp.einsum("bhr,rhv->bhv", m_BHR.astype(dt), w_uv_RHV.astype(dt))
-    return mla_layers.mla_output(p, o_BHV[:, None], gate_B1X, linear=lin)[:, 0], new_BW
+    return mla_layers.mla_output(p, o_BHV[:, None], gate_B1X, linear=lin)[:, 0]
 
 
 def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack | PagedLatent, lengths_B: jax.Array,

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from ling_jax.cache import Cache
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import filtered, sample
-from ling_jax.decode.verify import commit, mtp_step, verify_step
+from ling_jax.decode.step import fuse_for_decode
+from ling_jax.decode.verify import commit, mtp_step, verify_rows, verify_step
 from ling_jax.kernels import Kernels, select
 from ling_jax.model import lm_head
 from ling_jax.params import Params
@@ -133,14 +134,18 @@ def speculative_loop(cfg: LingConfig, params: Params, cache: Cache, mtp_latent: 
     temperature, top_k and top_p are scalars or [B]. Statistics (int32 scalars): "steps" (verify
     calls), "row_steps" (verify steps summed over the rows not yet stopped), "accepted" (drafts
     accepted, summed likewise). `kernels`: a record for sequence forms (default
-    `kernels.select(cfg, dtype=..., inference=True)`). `forced_drafts` [B, N] int32 (a test hook):
-    the draft for output index j is forced_drafts[b, min(j, N - 1)] with q = 1 on it, instead of the
-    MTP layer's.
+    `kernels.select(cfg, dtype=..., inference=True)`), which the MTP layer runs, and the verify step
+    where the layers are scans; unrolled, the verify runs in the decode step's row form
+    (`verify.verify_rows`, the decode record of unrolled layers, on the fused decode weights).
+    `forced_drafts` [B, N] int32 (a test hook): the draft for output index j is
+    forced_drafts[b, min(j, N - 1)] with q = 1 on it, instead of the MTP layer's.
     """
     if k < 1:
         raise ValueError(f"speculative_loop: k={k} drafts per step must be >= 1")
-    kernels = kernels or select(cfg, dtype=params["embed"].dtype, inference=True)
-    return _speculative_loop(cfg, kernels, params, cache, mtp_latent, logits_BV, hidden_BD, max_new, keys_B,
+    dtype = params["embed"].dtype
+    kernels = kernels or select(cfg, dtype=dtype, inference=True)
+    rows = select(cfg, dtype=dtype, decode=True, unroll=True) if unroll_layers else None
+    return _speculative_loop(cfg, kernels, rows, params, cache, mtp_latent, logits_BV, hidden_BD, max_new, keys_B,
                              temperature, top_k, top_p, stop_S, n_new, forced_drafts, k=k, unroll_layers=unroll_layers)
 
 
@@ -164,9 +169,10 @@ def mtp_drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Ar
     return jnp.stack(drafts, axis=1), jnp.stack(logqs, axis=1), latent
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 7), static_argnames=("k", "unroll_layers"), donate_argnums=(3, 4))
-def _speculative_loop(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache, latent: jax.Array,
-                      logits_BV: jax.Array, hidden_BD: jax.Array, max_new: int, keys_B: jax.Array,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), static_argnames=("k", "unroll_layers"),
+                   donate_argnums=(4, 5))
+def _speculative_loop(cfg: LingConfig, kernels: Kernels, rows: Kernels | None, params: Params, cache: Cache,
+                      latent: jax.Array, logits_BV: jax.Array, hidden_BD: jax.Array, max_new: int, keys_B: jax.Array,
                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, stop_S: jax.Array,
                       n_new: jax.Array | None, forced: jax.Array | None, *, k: int,
                       unroll_layers: bool) -> tuple[jax.Array, jax.Array, Cache, jax.Array, dict[str, jax.Array]]:
@@ -177,6 +183,7 @@ def _speculative_loop(cfg: LingConfig, kernels: Kernels, params: Params, cache: 
     first = sample(logits_BV, jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((b,), jnp.uint32)), TOKEN, *sampling)
     slot_T = jnp.arange(t)[None, :]
     zero = jnp.int32(0)
+    fused = None if rows is None else fuse_for_decode(cfg, rows, params)
 
     def body(state: dict[str, Any]) -> dict[str, Any]:
         cache, counts, active = state["cache"], state["counts"], ~state["done"]
@@ -189,8 +196,11 @@ def _speculative_loop(cfg: LingConfig, kernels: Kernels, params: Params, cache: 
             drafts = jnp.take_along_axis(forced, jnp.minimum(counts[:, None] + jnp.arange(k), forced.shape[1] - 1),
                                          axis=1)
             logq, latent = jnp.where(jnp.arange(v) == drafts[..., None], 0.0, -jnp.inf), state["latent"]
-        logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, cache, jnp.concatenate([pending, drafts], axis=1),
-                                             unroll_layers)
+        verified = jnp.concatenate([pending, drafts], axis=1)
+        if rows is None:
+            logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, cache, verified, unroll_layers)
+        else:
+            logits_BTV, h_BTD, new = verify_rows(cfg, rows, fused, cache, verified)
         n, final = accept(logits_BTV, drafts, logq, keys_B, counts, *sampling)
         n_B1 = n[:, None]
         emitted = jnp.where(slot_T < n_B1, jnp.pad(drafts, ((0, 0), (0, 1))),

@@ -24,6 +24,7 @@ from ling_jax.decode import layers
 from ling_jax.decode.views import (
     FUSED_CONV,
     KdaCaches,
+    LatentPool,
     join_latent,
     join_stacks,
     split_latent,
@@ -64,12 +65,18 @@ def fuse_for_decode(cfg: LingConfig, kernels: Kernels, params: Params) -> Params
 
 
 def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerFn, unroll: bool,
-               page_table: jax.Array | None = None) -> Callable[[Segment, Params, Any], SegmentPlan]:
+               page_table: jax.Array | None = None,
+               threaded_pool: bool = False) -> Callable[[Segment, Params, Any], SegmentPlan]:
     """The decode step's `model.run_stack` plan: per segment, the weight and cache leaves the decode
     kernels read in place are split out of the stacks and rejoined per layer as views, and a
     segment whose KDA layers run the layer kernel threads its cache stacks from layer to layer
     (`views.KdaCaches`, a Python loop). Views exist only for an unrolled step on one device; a paged
-    latent pool (`page_table` given) is read in place by the paged kernel the same way."""
+    latent pool (`page_table` given) is read in place by the paged kernel the same way.
+
+    `threaded_pool` (the verify step's row form; needs `unroll` and `page_table`): the MLA layers
+    write their rows into the pool before attending, so the pool stack is threaded from layer to
+    layer instead (`views.LatentPool`; the segment's result is {"pages": the pool}), and KDA layers
+    get their caches per layer, not the layer kernel."""
     rows = x.shape[0] * x.shape[1]
     dtype = x.dtype
     experts = (unroll and cfg.uses_moe and kernels.expert_stacks
@@ -77,7 +84,9 @@ def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerF
     # a paged pool is always read in place (its layer's slice would be a copy of the whole pool)
     latent_views = page_table is not None or (unroll and kernels.decode_mla and not kernels.sharded)
     linears = rows if unroll and rows <= stack_matmul.MAX_ROWS and kernels.decode_proj else 0
-    kda_kernel = unroll and kda_layer_kernel(cfg, kernels)
+    kda_kernel = unroll and kda_layer_kernel(cfg, kernels) and not threaded_pool
+    if threaded_pool and not (unroll and page_table is not None):
+        raise ValueError("stack_plan: a threaded latent pool needs unrolled layers and a page table")
 
     def threads(kda_params: Params | None) -> bool:
         return kda_kernel and kda_params is not None and FUSED_CONV in kda_params["attn"]
@@ -88,29 +97,42 @@ def stack_plan(cfg: LingConfig, kernels: Kernels, x: jax.Array, layer_fn: LayerF
             sp, stacks = split_stacks(sp, 1, dtype, experts, linears, kda)
             cs, latent = split_latent(cs) if latent_views and seg.mixer == "mla" else (cs, None)
             threaded = KdaCaches(cs) if kda else None
+            pool = LatentPool(latent, page_table) if threaded_pool and latent is not None else None
 
             def run_layer(p, x, lim, c, mixer, ffn):
+                if pool:
+                    x, y = layer_fn(join_stacks(p, stacks), x, lim, pool.view(c), mixer, ffn)
+                    return x, pool.keep(y)
                 c = threaded.view(c) if threaded else join_latent(c, latent, page_table)
                 x, y = layer_fn(join_stacks(p, stacks), x, lim, c, mixer, ffn)
                 return x, threaded.keep(y) if threaded else y
 
-            return SegmentPlan(sp, threaded.index if threaded else cs, run_layer, loop=kda,
-                               finish=(lambda ys: threaded.result()) if threaded else lambda ys: ys)
+            held = threaded or pool
+            return SegmentPlan(sp, threaded.index if threaded else cs, run_layer, loop=kda or threaded_pool,
+                               finish=(lambda ys: held.result()) if held else lambda ys: ys)
         kda = threads(sp.get("kda"))
         sp_kda, stacks_kda = split_stacks(sp.get("kda"), 2, dtype, experts, linears, kda)
         sp_mla, stacks_mla = split_stacks(sp["mla"], 1, dtype, experts, linears)
         threaded = KdaCaches(cs["kda"]) if kda else None
         cs_mla, latent = split_latent(cs["mla"]) if latent_views else (cs["mla"], None)
+        pool = LatentPool(latent, page_table) if threaded_pool else None
 
         def group_layer(p, x, lim, c, mixer, ffn):
+            if mixer == "mla" and pool:
+                x, y = layer_fn(join_stacks(p, stacks_mla), x, lim, pool.view(c), mixer, ffn)
+                return x, pool.keep(y)
             if mixer == "mla":
                 return layer_fn(join_stacks(p, stacks_mla), x, lim, join_latent(c, latent, page_table), mixer, ffn)
             x, y = layer_fn(join_stacks(p, stacks_kda), x, lim, threaded.view(c) if threaded else c, mixer, ffn)
             return x, threaded.keep(y) if threaded else y
 
+        def finish(ys: Any) -> Any:
+            held = {"kda": threaded.result()} if threaded else {}
+            return {**ys, **held, **({"mla": pool.result()} if pool else {})}
+
         caches = {"kda": threaded.index if threaded else cs.get("kda"), "mla": cs_mla}
-        return SegmentPlan({**sp, "kda": sp_kda, "mla": sp_mla}, caches, group_layer, loop=kda,
-                           finish=(lambda ys: {**ys, "kda": threaded.result()}) if threaded else lambda ys: ys)
+        return SegmentPlan({**sp, "kda": sp_kda, "mla": sp_mla}, caches, group_layer, loop=kda or threaded_pool,
+                           finish=finish)
 
     return plan
 

@@ -41,10 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import Cache, place
+from ling_jax.cache import LATENT_BLOCK, Cache, place
 from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import LingConfig
-from ling_jax.decode.step import latent_slots, prefill_stack
+from ling_jax.decode import layers as decode_layers
+from ling_jax.decode.step import latent_slots, prefill_stack, stack_plan
 from ling_jax.kernels import Kernels
 from ling_jax.layers.mla import mla_latent, mla_mixer
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
@@ -247,15 +248,82 @@ def verify_step(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache,
     return lm_head(cfg, params, h_BTD), h_BTD, new
 
 
+def verify_rows(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache, tokens_BT: jax.Array,
+                page_table_BN: jax.Array | None = None,
+                valid_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array, list[Any]]:
+    """`verify_step` in the decode step's row form: the B x T positions as R = B * T rows of one
+    unrolled decode step (`decode.step.stack_plan`), so every projection, the router and the routed
+    experts are the decode kernels' products over R rows on the layer stacks in place (views while
+    R <= `ops.stack_matmul.MAX_ROWS`); the KDA layers run `layers.kda_rows` (projections over the rows,
+    conv and token recurrence per sequence), the MLA layers `layers.mla_rows`: each position's latent
+    row is written into the pool first, then every position attends as a decode row of length
+    lengths[b] + i through its sequence's pages (the paged decode kernel on a GPU).
+
+    `kernels`: a decode record of unrolled layers (`kernels.select(cfg, dtype=..., decode=True,
+    unroll=True)`); params with `fuse_for_decode`'s fused weights. A paged cache comes with its
+    `page_table_BN` (pages for positions up to lengths[b] + T - 1) and `valid_B` (rows whose latent
+    rows are written; default all); a contiguous cache's rows are read as pages of `LATENT_BLOCK`
+    slots. Returns `verify_step`'s (logits [B, T, V] float32, final-normed hidden [B, T, D], what
+    `commit` takes), where each MLA segment's entry is its whole latent cache, the T rows already
+    written (`commit` keeps it)."""
+    b, t = tokens_BT.shape
+    r = b * t
+    lengths = cache["lengths"]
+    pos_R = positions(lengths, t).reshape(r)
+    valid_R = jnp.ones((r,), bool) if valid_B is None else jnp.repeat(valid_B, t)
+    segs = cache["segments"]
+    slots = None
+    if page_table_BN is None:  # contiguous rows [n, B, S, W]: row b's S slots as pages of its own
+        slots = next(a.shape[-2] for path, a in jax.tree_util.tree_leaves_with_path(segs) if path[-1].key == "latent")
+        page = LATENT_BLOCK if slots % LATENT_BLOCK == 0 else slots
+        segs = _rename(jax.tree_util.tree_map_with_path(
+            lambda path, a: a.reshape(*a.shape[:-3], b * (slots // page), page, a.shape[-1])
+            if path[-1].key == "latent" else a, segs), "latent", "pages")
+        page_table_BN = jnp.arange(b * (slots // page), dtype=jnp.int32).reshape(b, slots // page)
+    table_RN = jnp.repeat(page_table_BN, t, axis=0)
+    cos, sin = rope_cos_sin(pos_R[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
+
+    def mix(p, h_R1D, mixer, c):
+        if mixer == "kda":
+            return decode_layers.kda_rows(p, h_R1D, c, t, cfg=cfg, kernels=kernels)
+        out_RD, pool = decode_layers.mla_rows(p, h_R1D[:, 0], c["pages"], pos_R, valid_R, cfg=cfg, kernels=kernels,
+                                              cos=cos, sin=sin)
+        return out_RD[:, None], pool
+
+    def layer(p, x, lim, c, mixer, ffn):
+        return decode_layers.decoder_layer(p, x, lim, cfg=cfg, kernels=kernels, ffn=ffn,
+                                           mix=lambda pa, h: mix(pa, h, mixer, c))
+
+    x = embed(params, tokens_BT.reshape(r, 1))
+    x, new = run_stack(cfg, params, x, layer, caches=segs, unroll=True,
+                       plan=stack_plan(cfg, kernels, x, layer, True, table_RN, threaded_pool=True))
+    if slots is not None:  # back to contiguous rows
+        new = _rename(jax.tree_util.tree_map_with_path(
+            lambda path, a: a.reshape(*a.shape[:-3], b, slots, a.shape[-1]) if path[-1].key == "pages" else a,
+            new), "pages", "latent")
+    h_RD = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
+    return lm_head(cfg, params, h_RD).reshape(b, t, -1), h_RD.reshape(b, t, -1), new
+
+
+def _rename(tree: Any, old: str, new: str) -> Any:
+    """Nested dicts with every key `old` renamed `new`."""
+    if isinstance(tree, dict):
+        return {(new if k == old else k): _rename(v, old, new) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_rename(v, old, new) for v in tree]
+    return tree
+
+
 def commit(cache: Cache, new: list[Any], advance_B: jax.Array) -> Cache:
     """The cache after each row's first advance[b] (in [0, T]) of the verified positions: lengths +
     advance, each KDA layer's state after that many tokens and the conv window ending there, every
-    MLA layer's T new rows written at lengths[b] + i (those past the new length are hidden by it)."""
+    MLA layer's T new rows written at lengths[b] + i (those past the new length are hidden by it;
+    `verify_rows` wrote them already: its whole latent caches are taken as they are)."""
     lengths = cache["lengths"]
 
     def merge(c: dict, y: Any) -> dict:
         if "latent" in c:
-            return {"latent": write_rows(c["latent"], y, lengths)}
+            return y if isinstance(y, dict) else {"latent": write_rows(c["latent"], y, lengths)}
         return advance_kda(c, y, advance_B)
 
     segs = [merge(c, y) if "kda" not in c else {k: merge(c[k], y[k]) for k in c}

@@ -169,6 +169,27 @@ class KdaCaches:
                 "conv": conv.reshape(*self.lead, *conv.shape[1:])}
 
 
+class LatentPool:
+    """A segment's paged latent pool stack threaded through its MLA layers, one after another (a Python
+    loop; the verify step's row form, `layers.mla_rows`): each layer writes its new rows into the
+    whole stack, which the next layer then reads."""
+
+    def __init__(self, stack: jax.Array, page_table: jax.Array):  # [n, P, K, W], [R, N]
+        self.stack, self.page_table = stack, page_table
+
+    def view(self, c: dict[str, Any]) -> dict[str, Any]:
+        """A layer's MLA cache (its "pages" the layer's index) as a `PagedLatent` of the stack now."""
+        return {**c, "pages": PagedLatent(self.stack, self.page_table, c["pages"])}
+
+    def keep(self, stack: jax.Array) -> jax.Array:
+        """Takes a layer's updated stack; returns what the loop stacks for it (nothing of use)."""
+        self.stack = stack
+        return jnp.zeros((), jnp.int32)
+
+    def result(self) -> dict[str, jax.Array]:
+        return {"pages": self.stack}
+
+
 def split_latent(c: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
     """A segment's MLA cache with its latent stack ([n, B, S, W], or a paged pool [n, P, K, W])
     replaced by the layers' indices (sliced by the layer loop like any cache leaf), and the stack

@@ -44,7 +44,7 @@ from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import logprobs, sample
 from ling_jax.decode.speculative import TOKEN, accept, mtp_drafts
 from ling_jax.decode.step import decode_step
-from ling_jax.decode.verify import advance_kda, mtp_rows, verify_step
+from ling_jax.decode.verify import advance_kda, mtp_rows, verify_rows, verify_step
 from ling_jax.kernels import Kernels
 from ling_jax.layers.kda import kda_mixer
 from ling_jax.layers.mla import mla_mixer
@@ -382,7 +382,8 @@ def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7))
-def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, unroll: bool, params: Params,
+def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, rows: Kernels | None,
+                     params: Params,
                      cache: Cache, drafting: Drafting, page_table_BN: jax.Array, active_B: jax.Array,
                      tokens_BT: jax.Array, m_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
                      temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
@@ -404,10 +405,13 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     log-probabilities under the main model [B, k + 1] and top tokens [B, k + 1, n]). Rows not active
     change nothing: no page writes, their KDA state, length and drafting row as they were.
 
-    The MLA layers (main and MTP) attend over each row's pages gathered into [B, N * K, W] rows (the
-    verify's sequence forms, `kernels` a record for them); `unroll`: the verify's layers as one
-    straight-line program. `forced_BK` (a test hook, as `speculative_loop`'s): the drafts to verify,
-    with q = 1 on them, instead of the MTP layer's (whose rows are then not written).
+    `rows` (a decode record of unrolled layers, `kernels.select(..., decode=True, unroll=True)`): the
+    verify runs in the decode step's row form (`verify.verify_rows`: the k + 1 positions as rows of the
+    decode kernels, the latent rows written into the pages as it runs, the pool read in place by the
+    paged kernel); None: in its sequence forms (`kernels`, a record for them; layers unrolled), over
+    each row's pages gathered into [B, N * K, W] rows. The MTP layer drafts in its sequence forms over
+    its gathered pages either way. `forced_BK` (a test hook, as `speculative_loop`'s): the drafts to
+    verify, with q = 1 on them, instead of the MTP layer's (whose rows are then not written).
     """
     b, t = tokens_BT.shape
     lengths = cache["lengths"]
@@ -428,10 +432,16 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
         drafts = forced_BK
         logq = jnp.where(jnp.arange(cfg.vocab_size) == drafts[..., None], 0.0, -jnp.inf)
     pending = jnp.take_along_axis(tokens_BT, (m_B - 1)[:, None], axis=1)
-    view = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: gather_pages(leaf, page_table_BN) if path[-1].key == "pages" else leaf, cache["segments"])
-    logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, {"segments": _as_latent(view), "lengths": lengths},
-                                         jnp.concatenate([pending, drafts], axis=1), unroll)
+    verified_BT = jnp.concatenate([pending, drafts], axis=1)
+    if rows is not None:  # rows not active read nothing (length 0) and write nothing
+        logits_BTV, h_BTD, new = verify_rows(cfg, rows, params, {**cache, "lengths": jnp.where(active_B, lengths, 0)},
+                                             verified_BT, page_table_BN, active_B)
+    else:
+        view = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: gather_pages(leaf, page_table_BN) if path[-1].key == "pages" else leaf,
+            cache["segments"])
+        logits_BTV, h_BTD, new = verify_step(cfg, kernels, params, {"segments": _as_latent(view), "lengths": lengths},
+                                             verified_BT, True)
     # the page writes below wait for the last layer (as `prefill_chunk`'s): no pool copied
     logits_BTV, h_BTD, new = jax.lax.optimization_barrier((logits_BTV, h_BTD, new))
     n, final = accept(logits_BTV, drafts, logq, keys, index_B, *sampling)
@@ -440,8 +450,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     valid_BT = jnp.broadcast_to(active_B[:, None], (b, t))
 
     def merge(c: dict, y: Any) -> dict:
-        if "pages" in c:
-            return {"pages": write_pages(c["pages"], y, page_table_BN, pos_BT, valid_BT)}
+        if "pages" in c:  # (the row form wrote them)
+            return y if isinstance(y, dict) else {"pages": write_pages(c["pages"], y, page_table_BN, pos_BT, valid_BT)}
         return advance_kda(c, y, advance)
 
     segs = [merge(c, y) if "kda" not in c else {name: merge(c[name], y[name]) for name in c}

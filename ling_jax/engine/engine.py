@@ -217,6 +217,7 @@ class Engine:
         with self._mesh():
             self.k_prefill: Kernels = select(config, dtype=dtype, inference=True)
             self.k_decode: Kernels = select(config, dtype=dtype, decode=True, unroll=unroll_layers)
+            self.k_verify = self.k_decode if unroll_layers else None  # the verify's row form (`device` doc)
             self.params = jax.jit(fuse_for_decode, static_argnums=(0, 1))(config, self.k_decode, params)
             shapes = paged_cache_shapes(config, max_batch, self.num_pages, page_size, dtype)
             staging = paged_cache_shapes(config, prefill_rows, 1, page_size, dtype)
@@ -818,8 +819,8 @@ class Engine:
                 f = self.forced_drafts[s.handle.id]
                 forced[i] = f[np.minimum(s.emitted + np.arange(self.spec), len(f) - 1)]
         self.cache, self.drafting, out = device.speculative_step(
-            self.config, self.k_prefill, self.spec, want_lp, True, self.params, self.cache, self.drafting, table,
-            rows, tokens, m, keys, index, temp, top_k, top_p, forced)
+            self.config, self.k_prefill, self.spec, want_lp, self.k_verify, self.params, self.cache, self.drafting,
+            table, rows, tokens, m, keys, index, temp, top_k, top_p, forced)
         return out
 
     def _hidden(self, rows: int) -> dict[str, jax.Array]:
