@@ -29,7 +29,7 @@ every configuration and prints where the device time goes (`bench/device_profile
 the same process on the same random cache: the one-token step (`decode_step`, as the loop runs it),
 the verify step of K + 1 positions per row with the commit of all of them (`decode.verify`: its row form,
 as the loop runs it unrolled; `--sequence-form` times its sequence forms too), and the
-K drafts of the MTP layer (`decode.speculative.mtp_drafts`); it reports verify / one-token step and
+K drafts of the MTP layer (`decode.speculative.mtp_drafts`, in the same form); it reports verify / one-token step and
 (drafts + verify) / one-token step, the mean accepted length above which a speculative step beats
 one-token steps (the acceptance, sampling and output handling left out).
 
@@ -180,14 +180,16 @@ def _verify_all(cfg: LingConfig, kernels: Kernels, params: Any, cache: dict, tok
     return commit(cache, new, jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)), logits
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 9), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 9, 10), donate_argnums=(3,))
 def _drafts(cfg: LingConfig, kernels: Kernels, params: Any, latent: jax.Array, tok_BT: jax.Array, h_BTD: jax.Array,
-            lengths_B: jax.Array, keys_B: jax.Array, counts_B: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """k greedy drafts per row after a verify that accepted every position: (drafts [B, k], MTP cache)."""
+            lengths_B: jax.Array, keys_B: jax.Array, counts_B: jax.Array, k: int,
+            rows: Kernels | None) -> tuple[jax.Array, jax.Array]:
+    """k greedy drafts per row after a verify that accepted every position: (drafts [B, k], MTP cache); with
+    `rows` (a decode record) in the row form."""
     b = tok_BT.shape[0]
     greedy = (jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
     drafts, _, latent = mtp_drafts(cfg, kernels, params, latent, tok_BT, h_BTD, jnp.full((b,), k + 1, jnp.int32),
-                                   lengths_B, keys_B, counts_B, greedy, k)
+                                   lengths_B, keys_B, counts_B, greedy, k, rows)
     return drafts, latent
 
 
@@ -226,9 +228,10 @@ def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: ar
             state["verify"], logits = _verify_all(cfg, kernels, p, state["verify"], toks[:, :k + 1], unroll, rows)
             return logits
 
-        def drafts(k: int = k, hidden: jax.Array = hidden) -> jax.Array:
+        def drafts(k: int = k, hidden: jax.Array = hidden, rows: bool = unroll) -> jax.Array:
             out, state["latent"] = _drafts(cfg, seq_kernels, params, state["latent"], toks[:, :k + 1], hidden,
-                                           state["verify"]["lengths"], keys, jnp.ones((b,), jnp.int32), k)
+                                           state["verify"]["lengths"], keys, jnp.ones((b,), jnp.int32), k,
+                                           decode_kernels if rows else None)
             return out
 
         verify_ms, drafts_ms = (1e3 * median_time(fn, reps=reps) for fn in (verify, drafts))
@@ -238,6 +241,7 @@ def measure_speculative(cfg: LingConfig, params: Any, b: int, ctx: int, args: ar
                "breakeven_accepted_length": (verify_ms + drafts_ms) / one_ms}
         if unroll and args.sequence_form:
             run["verify_sequence_form_ms"] = 1e3 * median_time(functools.partial(verify, rows=False), reps=reps)
+            run["drafts_sequence_form_ms"] = 1e3 * median_time(functools.partial(drafts, rows=False), reps=reps)
         runs.append(run)
     return runs
 
@@ -294,7 +298,8 @@ def main() -> None:
                                   f"{run['verify_step_ms']:8.3f} ms ({run['verify_over_one_token']:.2f}x)  {k} drafts "
                                   f"{run['drafts_ms']:8.3f} ms  break-even accepted length "
                                   f"{run['breakeven_accepted_length']:.2f}"
-                                  + (f"  sequence-form verify {run['verify_sequence_form_ms']:8.3f} ms"
+                                  + (f"  sequence forms: verify {run['verify_sequence_form_ms']:8.3f} ms, drafts "
+                                     f"{run['drafts_sequence_form_ms']:8.3f} ms"
                                      if "verify_sequence_form_ms" in run else ""), flush=True)
                         write_json(args.out, result)
                         continue

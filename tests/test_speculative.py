@@ -85,13 +85,16 @@ def _assert_row_equal(x, want, b, n, name):
 
 
 @pytest.mark.heavy  # (default suite kept well under 20 min on 2 cores)
-def test_mtp_cache_follows_the_sequence_form(debug_model):
+@pytest.mark.parametrize("form", ["sequence", "rows"])
+def test_mtp_cache_follows_the_sequence_form(debug_model, form):
     """Drafting from the prefill (MTP position L - 1), then after a verify of 3 tokens (positions L to
     L + 2, replacing the draft rows there) gives the MTP layer's distribution of `forward_with_mtp` over
     the whole sequence at the last position: position t sees the token at t + 1 and the main hidden
-    state at t, and the rows before it hold the same."""
+    state at t, and the rows before it hold the same; the MTP layer in its sequence forms and in the
+    decode step's row form."""
     cfg, params = debug_model
     kernels = _kernels(cfg, params)
+    rows = select(cfg, dtype=params["embed"].dtype, decode=True, unroll=True) if form == "rows" else None
     k = 3
     rng = np.random.default_rng(2)
     lengths = np.array([7, 4])
@@ -106,7 +109,7 @@ def test_mtp_cache_follows_the_sequence_form(debug_model):
         pad = k + 1 - tok.shape[1]
         tok, h = jnp.pad(tok, ((0, 0), (0, pad))), jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
         return mtp_drafts(cfg, kernels, params, latent, tok, h, m, lengths, keys, jnp.ones((2,), jnp.int32),
-                          sampling, k)
+                          sampling, k, rows)
 
     _, logq_first, latent = drafts(latent, jnp.asarray(more[:, :1]), h_last[:, None], jnp.ones((2,), jnp.int32),
                                    jnp.asarray(lengths))

@@ -44,7 +44,7 @@ from ling_jax.cache import Cache
 from ling_jax.config import LingConfig
 from ling_jax.decode.sampling import filtered, sample
 from ling_jax.decode.step import fuse_for_decode
-from ling_jax.decode.verify import commit, mtp_step, verify_rows, verify_step
+from ling_jax.decode.verify import commit, mtp_step, mtp_step_rows, verify_rows, verify_step
 from ling_jax.kernels import Kernels, select
 from ling_jax.model import lm_head
 from ling_jax.params import Params
@@ -151,17 +151,19 @@ def speculative_loop(cfg: LingConfig, params: Params, cache: Cache, mtp_latent: 
 
 def mtp_drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Array, tok_BT: jax.Array,
             h_BTD: jax.Array, m_B: jax.Array, lengths_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
-            sampling: tuple[jax.Array, ...], k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+            sampling: tuple[jax.Array, ...], k: int,
+            rows: Kernels | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """k drafts per row from the MTP layer (module doc, 1): (drafts [B, k], log q [B, k, V], MTP cache).
     tok/h: the tokens and main hidden states of the m[b] positions lengths[b] - m[b] .. lengths[b] - 1
-    (first m[b] of T slots)."""
-    g_BTD, latent = mtp_step(cfg, kernels, params, latent, tok_BT, h_BTD, lengths_B - m_B)
+    (first m[b] of T slots). The MTP layer runs its sequence forms (`kernels`), or with `rows` (a decode
+    record) the decode step's row form (`verify.mtp_step_rows`)."""
+    step = functools.partial(mtp_step, cfg, kernels) if rows is None else functools.partial(mtp_step_rows, cfg, rows)
+    g_BTD, latent = step(params, latent, tok_BT, h_BTD, lengths_B - m_B)
     g_BD = jnp.take_along_axis(g_BTD, (m_B - 1)[:, None, None], axis=1)[:, 0]
     drafts, logqs = [], []
     for j in range(k):
         if j:
-            g_B1D, latent = mtp_step(cfg, kernels, params, latent, drafts[-1][:, None], g_BD[:, None],
-                                     lengths_B + j - 1)
+            g_B1D, latent = step(params, latent, drafts[-1][:, None], g_BD[:, None], lengths_B + j - 1)
             g_BD = g_B1D[:, 0]
         tok, logq = draft_token(lm_head(cfg, params, g_BD), index_keys(keys_B, index_B + j, DRAFT), *sampling)
         drafts.append(tok)
@@ -191,7 +193,7 @@ def _speculative_loop(cfg: LingConfig, kernels: Kernels, rows: Kernels | None, p
         pending = jnp.take_along_axis(state["tok"], (m - 1)[:, None], axis=1)
         if forced is None:
             drafts, logq, latent = mtp_drafts(cfg, kernels, params, state["latent"], state["tok"], state["h"], m,
-                                           lengths, keys_B, counts, sampling, k)
+                                              lengths, keys_B, counts, sampling, k, rows)
         else:
             drafts = jnp.take_along_axis(forced, jnp.minimum(counts[:, None] + jnp.arange(k), forced.shape[1] - 1),
                                          axis=1)

@@ -16,10 +16,15 @@ one-token steps (to float32 rounding): lengths + a, the KDA state after a tokens
 ending at the a-th token; the T new latent rows are written at lengths..lengths + T - 1, and the
 rows past lengths + a (rejected positions) are hidden by `lengths` until overwritten.
 
-Kernels. The verify step and the MTP layer run the layers' sequence forms (a record of
+Kernels. Two forms compute the same. The sequence forms (`verify_step`, `mtp_step`; a record of
 `kernels.select(..., inference=True)`): matmuls over the B x T rows, the absorbed attention in XLA
-over the whole latent allocation (masked past each row's length), the KDA token scan; the decode
-step's one-token kernels and stack views do not apply.
+over the whole latent allocation (masked past each row's length), the KDA token scan. The row forms
+(`verify_rows`, `mtp_step_rows`; the decode record of unrolled layers): the B x T positions as the
+rows of one decode step, so every projection and the routed experts are the decode kernels' products
+on the layer stacks in place, the MLA layers write the T latent rows first and attend as decode rows
+of lengths lengths[b] + i through the paged decode kernel, and KDA layers run the projections over
+all rows and the conv and token recurrence per sequence. `ling_jax.generate` and the engine verify
+in the row form where the layers are unrolled (the default), in the sequence forms under layer scans.
 
 The KDA state after a row's accepted tokens: the verify keeps each KDA layer's recurrence inputs
 (L2-normed k, v, log-decay g, beta of the T tokens) and `commit` re-runs the token recurrence from the
@@ -46,6 +51,7 @@ from ling_jax.checkpoint.fp8 import dense_weights
 from ling_jax.config import LingConfig
 from ling_jax.decode import layers as decode_layers
 from ling_jax.decode.step import latent_slots, prefill_stack, stack_plan
+from ling_jax.decode.views import PagedLatent
 from ling_jax.kernels import Kernels
 from ling_jax.layers.mla import mla_latent, mla_mixer
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
@@ -146,6 +152,33 @@ def mtp_step(cfg: LingConfig, kernels: Kernels, params: Params, latent_BSW: jax.
     mix = lambda pa, x: attend_cached(pa, x, latent_BSW, start_B, cfg=cfg, kernels=kernels)  # noqa: E731
     g_BTD, rows = mtp_layer(cfg, kernels, params, ids_BT, h_BTD, mix)
     return g_BTD, constrain(write_rows(latent_BSW, rows, start_B), "mla_latent")
+
+
+def mtp_step_rows(cfg: LingConfig, kernels: Kernels, params: Params, latent_BSW: jax.Array, ids_BT: jax.Array,
+                  h_BTD: jax.Array, start_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`mtp_step` in the decode step's row form (as `verify_rows`): the T positions as rows of the decode
+    layer (`layers.mla_rows` on the cache's rows read as pages, the decode FFN), `kernels` a decode
+    record. The cache's S must be a whole number of `LATENT_BLOCK`s or one page of its own."""
+    b, t = ids_BT.shape
+    r, s, w = b * t, latent_BSW.shape[1], latent_BSW.shape[2]
+    i = cfg.num_hidden_layers
+    p, z_BTD = _mtp_input(cfg, params, ids_BT, h_BTD)
+    pos_R = positions(start_B, t).reshape(r)
+    page = LATENT_BLOCK if s % LATENT_BLOCK == 0 else s
+    table_RN = jnp.repeat(jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page), t, axis=0)
+    pages = PagedLatent(latent_BSW.reshape(1, b * (s // page), page, w), table_RN, jnp.int32(0))
+    cos, sin = rope_cos_sin(pos_R[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
+    held = {}
+
+    def mix(pa, h_R1D):
+        out_RD, held["pool"] = decode_layers.mla_rows(pa, h_R1D[:, 0], pages, pos_R, jnp.ones((r,), bool), cfg=cfg,
+                                                      kernels=kernels, cos=cos, sin=sin)
+        return out_RD[:, None], None
+
+    z_R1D, _ = decode_layers.decoder_layer(p, z_BTD.reshape(r, 1, -1), limits(cfg, np.array(i)), cfg=cfg,
+                                           kernels=kernels, ffn=cfg.ffn_of(i), mix=mix)
+    g_BTD = rms_norm(z_R1D.reshape(b, t, -1), p["final_norm"], cfg.rms_norm_eps)
+    return g_BTD, constrain(held["pool"].reshape(b, s, w), "mla_latent")
 
 
 # ----------------------------------------------------------------------------- prefill

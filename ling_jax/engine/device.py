@@ -382,7 +382,7 @@ def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7))
-def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, rows: Kernels | None,
+def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, verify: Kernels | None,
                      params: Params,
                      cache: Cache, drafting: Drafting, page_table_BN: jax.Array, active_B: jax.Array,
                      tokens_BT: jax.Array, m_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
@@ -405,7 +405,7 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     log-probabilities under the main model [B, k + 1] and top tokens [B, k + 1, n]). Rows not active
     change nothing: no page writes, their KDA state, length and drafting row as they were.
 
-    `rows` (a decode record of unrolled layers, `kernels.select(..., decode=True, unroll=True)`): the
+    `verify` (a decode record of unrolled layers, `kernels.select(..., decode=True, unroll=True)`): the
     verify runs in the decode step's row form (`verify.verify_rows`: the k + 1 positions as rows of the
     decode kernels, the latent rows written into the pages as it runs, the pool read in place by the
     paged kernel); None: in its sequence forms (`kernels`, a record for them; layers unrolled), over
@@ -433,8 +433,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
         logq = jnp.where(jnp.arange(cfg.vocab_size) == drafts[..., None], 0.0, -jnp.inf)
     pending = jnp.take_along_axis(tokens_BT, (m_B - 1)[:, None], axis=1)
     verified_BT = jnp.concatenate([pending, drafts], axis=1)
-    if rows is not None:  # rows not active read nothing (length 0) and write nothing
-        logits_BTV, h_BTD, new = verify_rows(cfg, rows, params, {**cache, "lengths": jnp.where(active_B, lengths, 0)},
+    if verify is not None:  # rows not active read nothing (length 0) and write nothing
+        logits_BTV, h_BTD, new = verify_rows(cfg, verify, params, {**cache, "lengths": jnp.where(active_B, lengths, 0)},
                                              verified_BT, page_table_BN, active_B)
     else:
         view = jax.tree_util.tree_map_with_path(
