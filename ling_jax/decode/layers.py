@@ -34,6 +34,7 @@ from ling_jax.ops.kda.decode_layer import Inputs, KdaCacheStack, kda_decode_laye
 from ling_jax.ops.kda.gate import kda_gate, l2_normalize
 from ling_jax.ops.l2_prefetch import Prefetch
 from ling_jax.ops.latent_attention_pallas import latent_attention_paged_pallas, latent_attention_pallas
+from ling_jax.ops.latent_attention_pallas import supported as paged_supported
 from ling_jax.ops.layer_gemv import WeightStack, column_starts, linear, normed, pad_columns, partial_products
 from ling_jax.ops.mla_decode import latent_attention, latent_attention_paged
 from ling_jax.ops.moe import EXPERT_LEAVES, ExpertStack, SharedStacks, materialize, routed_experts
@@ -381,11 +382,13 @@ def _attend(q_BHW: jax.Array, latent_BSW: jax.Array | LatentStack | PagedLatent,
     """The decode attention over the latent cache [B, H, r]: the Pallas kernel where `kernels.decode_mla`
     (on a `LatentStack` in place; per shard under a multi-device context mesh: rows over the token
     axes, as the cache is laid out, heads over tensor), else the XLA loop. Paged (`PagedLatent`): the
-    paged kernel on one device, the paged XLA loop elsewhere."""
+    paged kernel on one device where it tiles the pages, the paged XLA loop elsewhere."""
     kw = dict(rank=cfg.kv_lora_rank, scale=cfg.qk_head_dim**-0.5)
     if isinstance(latent_BSW, PagedLatent):
         paged = latent_attention_paged
-        if kernels.decode_mla and not kernels.sharded:
+        rope = q_BHW.shape[-1] - cfg.kv_lora_rank
+        if kernels.decode_mla and not kernels.sharded and paged_supported(cfg.kv_lora_rank, rope,
+                                                                          latent_BSW.pool.shape[-2]):
             paged = functools.partial(latent_attention_paged_pallas, launch=kernels.tuning.launch)
         return paged(q_BHW, latent_BSW.pool, latent_BSW.page_table, lengths_B, new_BW, layer=latent_BSW.layer, **kw)
     if isinstance(latent_BSW, LatentStack):

@@ -408,9 +408,9 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     `verify` (a decode record of unrolled layers, `kernels.select(..., decode=True, unroll=True)`): the
     verify runs in the decode step's row form (`verify.verify_rows`: the k + 1 positions as rows of the
     decode kernels, the latent rows written into the pages as it runs, the pool read in place by the
-    paged kernel); None: in its sequence forms (`kernels`, a record for them; layers unrolled), over
-    each row's pages gathered into [B, N * K, W] rows. The MTP layer drafts in its sequence forms over
-    its gathered pages either way. `forced_BK` (a test hook, as `speculative_loop`'s): the drafts to
+    paged kernel), and the MTP layer drafts in that form too over its gathered pages; None: both run
+    their sequence forms (`kernels`, a record for them; layers unrolled), over each row's pages
+    gathered into [B, N * K, W] rows. `forced_BK` (a test hook, as `speculative_loop`'s): the drafts to
     verify, with q = 1 on them, instead of the MTP layer's (whose rows are then not written).
     """
     b, t = tokens_BT.shape
@@ -421,8 +421,9 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
     if forced_BK is None:
         slots_BSW = gather_pages(pages, page_table_BN)  # slot s: MTP position s - 1
         latent = jnp.concatenate([slots_BSW[:, 1:], jnp.zeros_like(slots_BSW[:, :1])], axis=1)
-        drafts, logq, latent = mtp_drafts(cfg, kernels, params, latent, tokens_BT, drafting["hidden"], m_B, lengths,
-                                          keys, index_B, sampling, k)
+        # rows not active draft from position 0 (what they draft is dropped; no read past their pages)
+        drafts, logq, latent = mtp_drafts(cfg, kernels, params, latent, tokens_BT, drafting["hidden"], m_B,
+                                          jnp.where(active_B, lengths, m_B), keys, index_B, sampling, k, verify)
         # the rows drafting wrote: positions lengths - m .. lengths + k - 1 (some as they were)
         pos_BJ = (lengths - m_B)[:, None] + jnp.arange(2 * k + 1)[None]
         rows = jnp.take_along_axis(latent, pos_BJ[..., None], axis=1, mode="clip")
