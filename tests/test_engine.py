@@ -70,7 +70,8 @@ def _serve(engine):
     return engine
 
 
-@pytest.mark.parametrize("n,concurrency,rows,unroll", [(24, 8, 1, False), (24, 8, 3, True),
+@pytest.mark.parametrize("n,concurrency,rows,unroll", [pytest.param(24, 8, 1, False, marks=pytest.mark.heavy),
+                                                      (24, 8, 3, True),
                                                       pytest.param(200, 32, 1, False, marks=pytest.mark.heavy),
                                                       pytest.param(200, 32, 4, False, marks=pytest.mark.heavy)])
 def test_tokens_equal_generate_under_concurrency(model, n, concurrency, rows, unroll):

@@ -215,6 +215,7 @@ def test_decode_call_snapshots_only_the_rows_named(model):
         np.testing.assert_array_equal(got[rest], want[rest])
 
 
+@pytest.mark.heavy  # 12-17 s on 2 cores (default suite kept under 20 min)
 def test_next_turn_waits_for_the_reply_snapshot_in_flight(model):
     """One step per call: a reply that ends on a page boundary (6 + 6 tokens, pages of 4) feeds its last
     token in the call after the one that samples it, so when the request ends that call is still in
@@ -306,6 +307,7 @@ def test_a_request_waiting_for_pages_is_counted_once(model):
     assert (stats["prefix_hits"], stats["prefix_misses"], stats["prefix_cached_tokens"]) == (1, 1, 24)
 
 
+@pytest.mark.heavy  # 12-17 s on 2 cores (default suite kept under 20 min)
 def test_a_miss_waiting_for_pages_is_admitted_later(model):
     """Two prompts with nothing cached and a pool for one request: the second misses, waits for pages and
     is admitted when the first ends; both give `generate`'s tokens."""
@@ -323,6 +325,7 @@ def test_a_miss_waiting_for_pages_is_admitted_later(model):
     assert engine.stats()["prefix_misses"] == 2
 
 
+@pytest.mark.heavy  # 12-17 s on 2 cores (default suite kept under 20 min)
 def test_prompt_logprobs_bypass_the_cache(model):
     """A request asking for prompt log-probabilities runs its whole prompt (cached_tokens 0) and gets
     one per prompt token; greedy tokens are the same either way."""

@@ -40,7 +40,7 @@ def _prompts(cfg, lengths=(7, 3, 12, 1, 5), seed=1):
     return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("form", ["unrolled", "layer_scans", "rows"])
+@pytest.mark.parametrize("form", ["unrolled", pytest.param("layer_scans", marks=pytest.mark.heavy), "rows"])
 def test_verify_and_commit_equal_one_token_steps(debug_model, form):
     """Verifying T tokens per row gives the logits of T one-token steps, and committing a[b] of them
     (0..T, per row) gives the cache of a[b] one-token steps (rows past the new lengths aside); the
