@@ -199,14 +199,7 @@ def kda(p: dict[str, Any], x_B1D: Rows, cache: dict[str, jax.Array] | KdaCacheSt
     x = dense(x_B1D)
     b, h, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     with jax.named_scope("qkv"):
-        if FUSED_INPUT in p:  # every input projection in one product
-            q, k, v, f, z, bl = _column_slices(p, _kda_inputs(p), lin(x, p[FUSED_INPUT]))
-            qkv = jnp.concatenate([q, k, v], axis=-1)
-            f = f if "f_proj" in p else lin(f, p["f_b_proj"])
-            z = z if "g_proj" in p else lin(z, p["g_b_proj"])
-        else:
-            qkv = jnp.concatenate([lin(x, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
-            f, z, bl = _proj(x, p, "f", lin), _proj(x, p, "g", lin), lin(x, p["b_proj"])
+        qkv, f, z, bl = _kda_projections(p, x, lin)
         # keep the projections out of the fusion that stacks every layer's new conv window (one
         # fused loop there is slower than the step without it)
         qkv = jax.lax.optimization_barrier(qkv)
@@ -234,14 +227,7 @@ def kda_rows(p: dict[str, Any], x_R1D: Rows, cache: dict[str, jax.Array], t: int
     x = dense(x_R1D)
     r, h, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     b = r // t
-    if FUSED_INPUT in p:
-        q, k, v, f, z, bl = _column_slices(p, _kda_inputs(p), lin(x, p[FUSED_INPUT]))
-        qkv = jnp.concatenate([q, k, v], axis=-1)
-        f = f if "f_proj" in p else lin(f, p["f_b_proj"])
-        z = z if "g_proj" in p else lin(z, p["g_b_proj"])
-    else:
-        qkv = jnp.concatenate([lin(x, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
-        f, z, bl = _proj(x, p, "f", lin), _proj(x, p, "g", lin), lin(x, p["b_proj"])
+    qkv, f, z, bl = _kda_projections(p, x, lin)
     qkv_BT3P = qkv.reshape(b, t, -1)
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
     q_, k_, v_ = (a.reshape(b, t, h, dh) for a in jnp.split(conv_silu(qkv_BT3P, w_3PW, None, cache["conv"]), 3, -1))
@@ -254,6 +240,18 @@ def kda_rows(p: dict[str, Any], x_R1D: Rows, cache: dict[str, jax.Array], t: int
     o = gated_rms_norm(o_BTHV, z.reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
     return (lin(o.reshape(r, 1, h * dh), p["o_proj"]),
             {"k": k_, "v": v_, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P})
+
+
+def _kda_projections(p: dict[str, Any], x: jax.Array, lin: Callable[..., jax.Array]) -> tuple[jax.Array, ...]:
+    """A KDA layer's products of its normed input: (q|k|v, the gate's f, the output gate's z, the beta
+    logits), from the fused projection where the params have it (one product), else one by one."""
+    if FUSED_INPUT in p:  # every input projection in one product
+        q, k, v, f, z, bl = _column_slices(p, _kda_inputs(p), lin(x, p[FUSED_INPUT]))
+        f = f if "f_proj" in p else lin(f, p["f_b_proj"])
+        z = z if "g_proj" in p else lin(z, p["g_b_proj"])
+        return jnp.concatenate([q, k, v], axis=-1), f, z, bl
+    qkv = jnp.concatenate([lin(x, p[f"{n}_proj"]) for n in "qkv"], axis=-1)
+    return qkv, _proj(x, p, "f", lin), _proj(x, p, "g", lin), lin(x, p["b_proj"])
 
 
 def _proj(x: jax.Array, p: dict[str, Any], name: str, lin: Callable[..., jax.Array]) -> jax.Array:
