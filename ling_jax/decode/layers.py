@@ -218,28 +218,39 @@ def kda(p: dict[str, Any], x_B1D: Rows, cache: dict[str, jax.Array] | KdaCacheSt
 def kda_rows(p: dict[str, Any], x_R1D: Rows, cache: dict[str, jax.Array], t: int, *, cfg: LingConfig,
              kernels: Kernels) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`kda` for T consecutive tokens per sequence given as rows r = b * T + i (the verify step's row
-    form): the projections over all R = B * T rows (one product per weight), the short conv from the
-    cached window and the token recurrence from the cached state per sequence. Returns (out [R, 1, D],
-    what `verify.commit` advances the cache with: "k" (L2-normed) [B, T, H, K], "v" [B, T, H, V], "g"
-    (log decay) [B, T, H, K] f32, "beta" [B, T, H] f32, "inputs" (the conv's) [B, T, 3P]). cache:
-    {"state" [B, H, K, V], "conv" [B, W-1, 3P]}, unchanged."""
+    form): the projections over all R = B * T rows (one product per weight), then `kda_tokens` per
+    sequence. Returns (out [R, 1, D], `kda_tokens`' record); the cache is unchanged."""
     lin = functools.partial(linear, launch=kernels.tuning.launch)
     x = dense(x_R1D)
     r, h, dh = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     b = r // t
     qkv, f, z, bl = _kda_projections(p, x, lin)
-    qkv_BT3P = qkv.reshape(b, t, -1)
+    o, record = kda_tokens(p, qkv.reshape(b, t, -1), f.reshape(b, t, -1), z.reshape(b, t, -1), bl.reshape(b, t, h),
+                           cache, cfg=cfg)
+    return lin(o.reshape(r, 1, h * dh), p["o_proj"]), record
+
+
+def kda_tokens(p: dict[str, Any], qkv_BT3P: jax.Array, f_BTX: jax.Array, z_BTX: jax.Array, bl_BTH: jax.Array,
+               cache: dict[str, jax.Array], *, cfg: LingConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A KDA layer between its input projections and `o_proj` for T tokens per sequence continuing the
+    cached window and state: the short conv, L2 norms, gate, beta, the token recurrence
+    (`ops.kda.reference`) and the gated output norm. Takes the projections (q|k|v [B, T, 3P], the
+    gate's f and the output gate's z [B, T, H * K], the beta logits [B, T, H]) and cache {"state"
+    [B, H, K, V], "conv" [B, W-1, 3P]}; returns (o [B, T, H * V] before `o_proj`, the record
+    `verify.commit` advances the cache with: "k" (L2-normed) [B, T, H, K], "v" [B, T, H, V], "g" (log
+    decay) [B, T, H, K] f32, "beta" [B, T, H] f32, "inputs" (the conv's) [B, T, 3P])."""
+    b, t = qkv_BT3P.shape[:2]
+    h, dh = cfg.num_attention_heads, cfg.head_dim
     w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
     q_, k_, v_ = (a.reshape(b, t, h, dh) for a in jnp.split(conv_silu(qkv_BT3P, w_3PW, None, cache["conv"]), 3, -1))
     q_, k_ = l2_normalize(q_), l2_normalize(k_)
-    g_BTHK = kda_gate(f.reshape(b, t, h, dh), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
-    beta_BTH = jax.nn.sigmoid(bl.reshape(b, t, h).astype(jnp.float32))
+    g_BTHK = kda_gate(f_BTX.reshape(b, t, h, dh), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
+    beta_BTH = jax.nn.sigmoid(bl_BTH.astype(jnp.float32))
     with jax.named_scope("recurrence"):
         o_BTHV, _ = kimi_delta_attention(q_, k_, v_, g_BTHK, beta_BTH, scale=dh**-0.5, initial_state=cache["state"],
                                          impl="reference")
-    o = gated_rms_norm(o_BTHV, z.reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
-    return (lin(o.reshape(r, 1, h * dh), p["o_proj"]),
-            {"k": k_, "v": v_, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P})
+    o = gated_rms_norm(o_BTHV, z_BTX.reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
+    return o.reshape(b, t, h * dh), {"k": k_, "v": v_, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P}
 
 
 def _kda_projections(p: dict[str, Any], x: jax.Array, lin: Callable[..., jax.Array]) -> tuple[jax.Array, ...]:

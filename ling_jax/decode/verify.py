@@ -57,9 +57,7 @@ from ling_jax.layers.mla import mla_latent, mla_mixer
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.model import decoder_layer, embed, limits, lm_head, make_context, run_stack, sequence_mixer
 from ling_jax.ops.kda import kimi_delta_attention
-from ling_jax.ops.kda.gate import kda_gate, l2_normalize
-from ling_jax.ops.norms import gated_rms_norm, rms_norm
-from ling_jax.ops.short_conv import conv_silu
+from ling_jax.ops.norms import rms_norm
 from ling_jax.params import Params
 from ling_jax.sharding import constrain
 
@@ -164,9 +162,8 @@ def mtp_step_rows(cfg: LingConfig, kernels: Kernels, params: Params, latent_BSW:
     i = cfg.num_hidden_layers
     p, z_BTD = _mtp_input(cfg, params, ids_BT, h_BTD)
     pos_R = positions(start_B, t).reshape(r)
-    page = LATENT_BLOCK if s % LATENT_BLOCK == 0 else s
-    table_RN = jnp.repeat(jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page), t, axis=0)
-    pages = PagedLatent(latent_BSW.reshape(1, b * (s // page), page, w), table_RN, jnp.int32(0))
+    table_BN = _contiguous_page_table(b, s)
+    pages = PagedLatent(_as_pages(latent_BSW, b, s)[None], jnp.repeat(table_BN, t, axis=0), jnp.int32(0))
     cos, sin = rope_cos_sin(pos_R[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
     held = {}
 
@@ -223,19 +220,11 @@ def kda_verify(p: Params, x_BTD: jax.Array, cache: dict[str, jax.Array], *,
     [B, T, H, K], "v" [B, T, H, V], "g" (log decay) [B, T, H, K] f32, "beta" [B, T, H] f32, and the conv
     inputs "inputs" [B, T, 3P]). The recurrence is the token scan (`ops.kda.reference`)."""
     b, t, _ = x_BTD.shape
-    h, dh = cfg.num_attention_heads, cfg.head_dim
     dt = x_BTD.dtype
     qkv_BT3P = x_BTD @ jnp.concatenate([p[f"{n}_proj"].astype(dt) for n in "qkv"], axis=1)
-    w_3PW = jnp.concatenate([p["q_conv"], p["k_conv"], p["v_conv"]], axis=0)
-    q, k, v = (a.reshape(b, t, h, dh) for a in jnp.split(conv_silu(qkv_BT3P, w_3PW, None, cache["conv"]), 3, axis=-1))
-    q, k = l2_normalize(q), l2_normalize(k)
-    g_BTHK = kda_gate(_project(x_BTD, p, "f").reshape(b, t, h, dh), p["A_log"], p["dt_bias"], cfg.kda_lower_bound)
-    beta_BTH = jax.nn.sigmoid((x_BTD @ p["b_proj"].astype(dt)).astype(jnp.float32))
-    o_BTHV, _ = kimi_delta_attention(q, k, v, g_BTHK, beta_BTH, scale=dh**-0.5, initial_state=cache["state"],
-                                     impl="reference")
-    o_BTHV = gated_rms_norm(o_BTHV, _project(x_BTD, p, "g").reshape(b, t, h, dh), p["o_norm"], cfg.rms_norm_eps)
-    out = o_BTHV.reshape(b, t, h * dh) @ p["o_proj"].astype(dt)
-    return out, {"k": k, "v": v, "g": g_BTHK, "beta": beta_BTH, "inputs": qkv_BT3P}
+    o, record = decode_layers.kda_tokens(p, qkv_BT3P, _project(x_BTD, p, "f"), _project(x_BTD, p, "g"),
+                                         x_BTD @ p["b_proj"].astype(dt), cache, cfg=cfg)
+    return o @ p["o_proj"].astype(dt), record
 
 
 def advance_kda(c: dict[str, jax.Array], y: dict[str, jax.Array], advance_B: jax.Array) -> dict[str, jax.Array]:
@@ -308,11 +297,9 @@ def verify_rows(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache,
     slots = None
     if page_table_BN is None:  # contiguous rows [n, B, S, W]: row b's S slots as pages of its own
         slots = next(a.shape[-2] for path, a in jax.tree_util.tree_leaves_with_path(segs) if path[-1].key == "latent")
-        page = LATENT_BLOCK if slots % LATENT_BLOCK == 0 else slots
         segs = _rename(jax.tree_util.tree_map_with_path(
-            lambda path, a: a.reshape(*a.shape[:-3], b * (slots // page), page, a.shape[-1])
-            if path[-1].key == "latent" else a, segs), "latent", "pages")
-        page_table_BN = jnp.arange(b * (slots // page), dtype=jnp.int32).reshape(b, slots // page)
+            lambda path, a: _as_pages(a, b, slots) if path[-1].key == "latent" else a, segs), "latent", "pages")
+        page_table_BN = _contiguous_page_table(b, slots)
     table_RN = jnp.repeat(page_table_BN, t, axis=0)
     cos, sin = rope_cos_sin(pos_R[:, None], cfg.qk_rope_head_dim, cfg.rope_theta)
 
@@ -336,6 +323,24 @@ def verify_rows(cfg: LingConfig, kernels: Kernels, params: Params, cache: Cache,
             new), "pages", "latent")
     h_RD = rms_norm(x[:, 0], params["final_norm"], cfg.rms_norm_eps)
     return lm_head(cfg, params, h_RD).reshape(b, t, -1), h_RD.reshape(b, t, -1), new
+
+
+def _contiguous_page_table(b: int, slots: int) -> jax.Array:
+    """The page table [B, N] that reads B contiguous rows of `slots` latent slots as pages (`_as_pages`):
+    row b owns pages b * N .. b * N + N - 1."""
+    n = slots // _contiguous_page(slots)
+    return jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+
+
+def _as_pages(latent: jax.Array, b: int, slots: int) -> jax.Array:
+    """Contiguous latent rows [*lead, B, S, W] as a page pool [*lead, B * N, page, W] (a reshape, no
+    copy): pages of `LATENT_BLOCK` slots where S is a multiple of it, else one page of S per row."""
+    page = _contiguous_page(slots)
+    return latent.reshape(*latent.shape[:-3], b * (slots // page), page, latent.shape[-1])
+
+
+def _contiguous_page(slots: int) -> int:
+    return LATENT_BLOCK if slots % LATENT_BLOCK == 0 else slots
 
 
 def _rename(tree: Any, old: str, new: str) -> Any:
