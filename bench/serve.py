@@ -286,18 +286,20 @@ def run_static(cfg: Any, params: Any, requests: Sequence[Request], batch: int,
 
 
 def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversations: Sequence[Sequence[Request]],
-               *, concurrency: int | None, rate: float | None, seed: int, label: str,
+               *, concurrency: int | None, rate: float | None, seed: int, label: str, compile_threads: int = 1,
                **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
     `summarize` of its requests, its size, its `stats()`, its start-up time and the XLA compilations
     that ran during the workload (none is the engine's promise): seconds each, and what each compiled
     (`compiled_during_run`: JAX's `jax_log_compiles` line, where it first differs from the closest
-    line of the same function's compilations in the warm-up)."""
+    line of the same function's compilations in the warm-up; `cache_misses_during_run`: JAX's explanation
+    of each cache miss then, `jax_explain_cache_misses`)."""
     import logging
 
     import jax
 
     messages: list[tuple[bool, str]] = []  # (during the run, "Compiling ..." line)
+    misses: list[str] = []  # JAX's explanations of the cache misses during the run
     running = [False]
 
     class Compiled(logging.Handler):
@@ -305,6 +307,8 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
             message = record.getMessage()
             if message.startswith("Compiling"):
                 messages.append((running[0], message))
+            elif running[0] and "CACHE MISS" in message:
+                misses.append(message[:3000])
 
     handler, log_compiles = Compiled(), jax.config.jax_log_compiles
     logging.getLogger("jax").addHandler(handler)
@@ -315,7 +319,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         engine = engine_cls(cfg, params, **options)
         engine.warmup(logprobs=False, sampling=False,  # every shape these requests use (greedy, no log-probabilities)
                       progress=lambda done, total, name, s: print(f"{label}: {name} ({done}/{total}) {s:.1f} s",
-                                                                  flush=True))
+                                                                  flush=True), compile_threads=compile_threads)
         engine.start()
         start_s = time.perf_counter() - t0  # construction and compilation
         print(f"{label}: {options['max_batch']} slots, max_len {options['max_len']}, prefix cache "
@@ -323,6 +327,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         jax.monitoring.register_event_duration_secs_listener(
             lambda event, duration, **_: compiles.append(duration) if "backend_compile" in event else None)
         running[0] = True
+        jax.config.update("jax_explain_cache_misses", True)
         try:
             results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
                                         seed=seed))
@@ -331,12 +336,14 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
             engine.shutdown(0.0)
     finally:
         jax.config.update("jax_log_compiles", log_compiles)
+        jax.config.update("jax_explain_cache_misses", False)
         logging.getLogger("jax").removeHandler(handler)
         jax.monitoring.clear_event_listeners()
     warm = [m for run, m in messages if not run]
     return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
             "engine_start_s": start_s, "compiles_during_run_s": compiles,
-            "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run]}
+            "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run],
+            "cache_misses_during_run": misses}
 
 
 def against_warmup(message: str, warm: Sequence[str], context: int = 300) -> dict[str, Any]:
@@ -454,6 +461,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="in-process: the workload again with R prompts per prefill call, in this run (the weights "
                          "and the compiled decode call shared; both in the JSON, with the ratios)")
     ap.add_argument("--decode-steps", type=int, default=8, help="engine decode steps per call while nothing waits")
+    ap.add_argument("--compile-threads", type=int, default=1,
+                    help="in-process: the engine's warm-up compiles its shapes in this many threads at once")
     ap.add_argument("--unroll-prefill", action="store_true", help="the engine's prefill calls with layers unrolled")
     ap.add_argument("--decode-buckets", type=int, nargs="+", default=None, metavar="N",
                     help="the engine's decode buckets (slot counts of its decode calls; --max-batch always one)")
@@ -647,7 +656,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                   dict(concurrency=c, rate=None, seed=args.seed)) for c, n in also]
         for name, prefix, rows, run_convs, run_load in runs:
             result[name] = run_engine(engine_cls, cfg, params, run_convs, label=name, prefix_cache=prefix, **run_load,
-                                      **(options | {"prefill_rows": rows}))
+                                      compile_threads=args.compile_threads, **(options | {"prefill_rows": rows}))
             write_json(args.out, result)
             print(f"{name}: {result[name]['requests']} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:

@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                          "step costs that batch's step, for one more compile per bucket")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every serving shape before listening (--no-warmup: as requests need them)")
+    ap.add_argument("--compile-threads", type=int, default=1,
+                    help="--warmup: compile the shapes ahead of time in this many threads at once (1: one by one)")
     ap.add_argument("--mesh", default="", help="device mesh as axis=size pairs, e.g. 'expert=8' (as ling-generate)")
     ap.add_argument("--fp8-weights", action="store_true",
                     help="keep the layer weights of an FP8 Orbax checkpoint in FP8 on the device")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                              ("--max-len", args.max_len, 2), ("--page-size", args.page_size, 1),
                              ("--max-waiting", args.max_waiting, 0), ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--prefill-rows", args.prefill_rows, 1),
-                             ("--decode-steps", args.decode_steps, 1),
+                             ("--decode-steps", args.decode_steps, 1), ("--compile-threads", args.compile_threads, 1),
                              ("--speculative-tokens", args.speculative_tokens, 0)):
         if value < low:
             return _fail(f"{name} {value}: must be >= {low}", 2)
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
             print(f"{_PROG}: compiling the serving shapes", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             engine.warmup(progress=lambda done, total, name, s: print(
-                f"{_PROG}: compiled {name} ({done}/{total}) in {s:.1f} s", file=sys.stderr, flush=True))
+                f"{_PROG}: compiled {name} ({done}/{total}) in {s:.1f} s", file=sys.stderr, flush=True),
+                compile_threads=args.compile_threads)
             print(f"{_PROG}: compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         engine.start()
     except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:

@@ -302,12 +302,27 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     """After `warmup`, requests of every prompt length, with and without log-probabilities, greedy and
     sampled, compile nothing; after `warmup(logprobs=False)`, those without log-probabilities (plain
     decoding, and k drafts per speculative call); with several prompts per prefill call, prompt
-    log-probabilities among them."""
+    log-probabilities among them; compiled ahead of time in threads as at each shape's first run."""
     cfg, params = model
     engine = Engine(cfg, params, max_batch=3, max_len=96, page_size=16, prefill_chunk=32, decode_steps=4,
                     speculative_tokens=k, prefill_rows=rows)
-    shapes = []
-    engine.warmup(logprobs=logprobs, progress=lambda done, total, name, s: shapes.append((done, total, name)))
+    shapes, compiled = [], []
+
+    def count(event, duration, **_):
+        if "backend_compile" in event:
+            compiled.append(event)
+
+    # the speculative case compiles ahead of time in two threads (every compile before the first shape
+    # has run), the others at each shape's first run
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        engine.warmup(logprobs=logprobs, compile_threads=2 if k else 1,
+                      progress=lambda done, total, name, s: shapes.append((done, total, name, len(compiled))))
+    finally:
+        jax.monitoring.clear_event_listeners()
+    seen = [c for *_, c in shapes]
+    assert seen[0] > 0 and (seen == [seen[0]] * len(seen) if k else seen[-1] > seen[0])
+    shapes = [s[:3] for s in shapes]
     # one progress report per shape, in order: prefill calls (with and without log-probabilities where
     # asked, several prompts' without), then the decode or speculative calls
     n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)

@@ -17,7 +17,8 @@ call's XLA compilations (JAX's `jax_log_compiles` lines) recorded:
 A call that compiles where the same call compiled before names what the compilation cache is keyed
 on beyond the arguments (`bench/serve.py` records that a prefill call compiles during a GPU run
 although its arguments and its `jax_log_compiles` line equal a warm-up call's). Also reported: JAX's
-trace context in the main thread and in a new one.
+trace context in the main thread and in a new one, and JAX's explanation of each cache miss
+(`jax_explain_cache_misses`) per call.
 """
 
 from __future__ import annotations
@@ -61,15 +62,19 @@ def main() -> None:
         params = random_params(cfg, jnp.bfloat16)
 
     lines: list[str] = []
+    misses: list[str] = []
 
     class Compiles(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
             if message.startswith("Compiling"):
                 lines.append(message.split(" with global")[0].removeprefix("Compiling "))
+            elif "CACHE MISS" in message:
+                misses.append(message[:2000])
 
     logging.getLogger("jax").addHandler(Compiles())
     jax.config.update("jax_log_compiles", True)
+    jax.config.update("jax_explain_cache_misses", True)
     e = Engine(cfg, params, max_batch=16, max_len=4 * args.chunk, page_size=64, prefill_chunk=args.chunk,
                decode_steps=args.decode_steps, decode_buckets=[1])
     table, follow = np.zeros((16, e.max_pages), np.int32), np.zeros(16, bool)
@@ -96,9 +101,9 @@ def main() -> None:
     steps: list[dict[str, Any]] = []
 
     def step(name: str, fn: Callable[[], None]) -> None:
-        n, t0 = len(lines), time.perf_counter()
+        n, m, t0 = len(lines), len(misses), time.perf_counter()
         fn()
-        steps.append({"call": name, "s": time.perf_counter() - t0, "compiled": lines[n:]})
+        steps.append({"call": name, "s": time.perf_counter() - t0, "compiled": lines[n:], "cache_misses": misses[m:]})
         print(f"{name}: {steps[-1]['s']:.2f} s, compiled {steps[-1]['compiled']}", flush=True)
 
     from jax._src import config as jax_config  # the trace context the caches are keyed on

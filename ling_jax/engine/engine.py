@@ -61,6 +61,7 @@ compiles afterwards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -345,39 +346,56 @@ class Engine:
         thread.join()
 
     def warmup(self, *, logprobs: bool = True, sampling: bool = True,
-               progress: Callable[[int, int, str, float], None] | None = None) -> None:
+               progress: Callable[[int, int, str, float], None] | None = None,
+               compile_threads: int = 1) -> None:
         """Compiles every shape serving uses (each prefill call shape and decode call, or with speculation
         the speculative call, with and, unless `logprobs` is False, without log-probabilities; decode
         calls greedy and, unless `sampling` is False, sampled) on a scratch slot; nothing compiles after
         it. `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work,
         and so does `sampling=False` (requests at temperature 0 only); a request that asks for what was
-        left out then compiles its shapes on first use. `progress(done, total, name, seconds)` is called
-        after each shape (compiled and run once)."""
+        left out then compiles its shapes on first use.
+
+        `compile_threads` > 1 lowers every shape first, compiles them ahead of time in that many threads
+        at once (XLA's compilers release the GIL), then runs each once; 1 (the default) compiles each
+        shape at its first run. `progress(done, total, name, seconds)` is called after each shape
+        (compiled and run once; with several threads, the first report's seconds include the whole
+        compilation)."""
         variants = (False, True) if logprobs else (False,)
         zeros_table, none = np.zeros((self.max_batch, self.max_pages), np.int32), np.zeros(self.max_batch, bool)
 
-        def prefill(rows: int, c: int, lp: bool) -> Any:
-            self.cache, self.staging, self.drafting, out = device.prefill_chunk(
-                self.config, self.k_prefill, lp, self.unroll_prefill, self.params, self.cache, self.staging,
-                self.drafting, *self._prefill_args(rows, c, []))
+        def prefill(rows: int, c: int, lp: bool, lower: bool = False) -> Any:
+            args = (self.config, self.k_prefill, lp, self.unroll_prefill, self.params, self.cache, self.staging,
+                    self.drafting, *self._prefill_args(rows, c, []))
+            if lower:
+                return device.prefill_chunk.lower(*args)
+            self.cache, self.staging, self.drafting, out = device.prefill_chunk(*args)
             return out
 
-        def decode(rows: int, steps: int, sampled: bool, lp: bool) -> Any:
+        def decode(rows: int, steps: int, sampled: bool, lp: bool, lower: bool = False) -> Any:
+            if lower:
+                return device.decode_steps.lower(
+                    *self._decode_args(steps, lp, zeros_table[:rows], none[:rows], [], sampled))
             self.cache, out = self._decode(steps, lp, zeros_table[:rows], none[:rows], [], sampled)
             return out
 
-        def snapshot_round_trip() -> Any:  # the store is left as it was
+        def speculate(lp: bool, lower: bool = False) -> Any:
+            if lower:
+                return device.speculative_step.lower(*self._speculate_args(lp, zeros_table, []))
+            return self._speculate(lp, zeros_table, [])
+
+        def snapshot_round_trip(lower: bool = False) -> Any:  # the store is left as it was
+            if lower:
+                return None  # two copies: no compilation worth a thread
             self.staging = device.restore_snapshot(self.staging, self.store, np.int32(0), np.int32(0))
             self.store = device.save_snapshot(self.store, self.staging, np.int32(0), np.int32(0))
             return self.store
 
         lp_name = {False: "", True: ", log-probabilities"}
-        shapes: list[tuple[str, Callable[[], Any]]] = [
+        shapes: list[tuple[str, Callable[..., Any]]] = [
             (f"prefill {rows} x {c}{lp_name[lp]}", functools.partial(prefill, rows, c, lp))
             for rows, c in self.prefill_shapes for lp in (variants if rows == 1 else (False,))]
         if self.spec:
-            shapes += [(f"speculative step{lp_name[lp]}", functools.partial(self._speculate, lp, zeros_table, []))
-                       for lp in variants]
+            shapes += [(f"speculative step{lp_name[lp]}", functools.partial(speculate, lp)) for lp in variants]
         else:
             shapes += [(f"decode {rows} slots, {n} step{'s' * (n > 1)}{', sampled' * sampled}{lp_name[lp]}",
                         functools.partial(decode, rows, n, sampled, lp))
@@ -385,12 +403,23 @@ class Engine:
                        for sampled in ((False, True) if sampling else (False,)) for lp in variants]
         if self.prefix is not None:
             shapes.append(("snapshot save and restore", snapshot_round_trip))
+        threads = min(len(shapes), compile_threads)
         with self._mesh():
+            t0 = time.perf_counter()
+            if threads > 1:
+                lowered = [lower(lower=True) for _, lower in shapes]  # tracing holds the GIL: one thread
+
+                def compile_one(low: Any) -> None:
+                    if low is not None:
+                        low.compile()
+
+                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(compile_one, lowered))
             for done, (name, run) in enumerate(shapes, 1):
-                t0 = time.perf_counter()
                 jax.block_until_ready(run())
                 if progress is not None:
                     progress(done, len(shapes), name, time.perf_counter() - t0)
+                t0 = time.perf_counter()
         _key_data(0, np.zeros(1, np.int32))  # the requests' key derivation
 
     # ------------------------------------------------------------------------------------- loop
@@ -749,6 +778,14 @@ class Engine:
         slots (a decode bucket), taking the output snapshots `snaps` ((slot, boundary, step, store row);
         prefix cache); `sampled`: its sampling form (default: sampled where a decoding slot among them
         samples, else greedy)."""
+        cache, store, out = device.decode_steps(*self._decode_args(steps, want_lp, table, follow, snaps, sampled))
+        if store is not None:
+            self.store = store
+        return cache, out
+
+    def _decode_args(self, steps: int, want_lp: bool, table: np.ndarray, follow: np.ndarray,
+                     snaps: list[tuple[int, int, int, int]], sampled: bool | None) -> tuple[Any, ...]:
+        """`device.decode_steps`' arguments for `_decode`."""
         r = len(table)
         tokens, keys = np.zeros(r, np.int32), np.zeros((r, 2), np.uint32)
         index, temp = np.zeros(r, np.int32), np.zeros(r, np.float32)
@@ -766,13 +803,8 @@ class Engine:
                 m = int(np.argmax(rows_SM[t] == r))
                 rows_SM[t, m], dst_SM[t, m] = i, row
             store = self.store
-        cache, store, out = device.decode_steps(
-            self.config, self.k_decode, steps, want_lp, bool((temp > 0).any()) if sampled is None else sampled,
-            self.params, self.cache, table,
-            tokens, follow, keys, index, temp, top_k, top_p, store, rows_SM, dst_SM)
-        if store is not None:
-            self.store = store
-        return cache, out
+        return (self.config, self.k_decode, steps, want_lp, bool((temp > 0).any()) if sampled is None else sampled,
+                self.params, self.cache, table, tokens, follow, keys, index, temp, top_k, top_p, store, rows_SM, dst_SM)
 
     def _speculate_round(self) -> None:
         """One speculative call over every slot past its prompt, then each row's accepted tokens delivered
@@ -804,6 +836,11 @@ class Engine:
     def _speculate(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]]) -> Any:
         """Dispatches `device.speculative_step` for the `active` rows (the others change nothing):
         its outputs, on the device."""
+        self.cache, self.drafting, out = device.speculative_step(*self._speculate_args(want_lp, table, active))
+        return out
+
+    def _speculate_args(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]]) -> tuple[Any, ...]:
+        """`device.speculative_step`'s arguments for `_speculate`."""
         b, t = self.max_batch, self.spec + 1
         tokens, m = np.zeros((b, t), np.int32), np.ones(b, np.int32)
         keys, index = np.zeros((b, 2), np.uint32), np.zeros(b, np.int32)
@@ -818,10 +855,8 @@ class Engine:
             if forced is not None and s.handle.id in self.forced_drafts:
                 f = self.forced_drafts[s.handle.id]
                 forced[i] = f[np.minimum(s.emitted + np.arange(self.spec), len(f) - 1)]
-        self.cache, self.drafting, out = device.speculative_step(
-            self.config, self.k_prefill, self.spec, want_lp, self.k_verify, self.params, self.cache, self.drafting,
-            table, rows, tokens, m, keys, index, temp, top_k, top_p, forced)
-        return out
+        return (self.config, self.k_prefill, self.spec, want_lp, self.k_verify, self.params, self.cache, self.drafting,
+                table, rows, tokens, m, keys, index, temp, top_k, top_p, forced)
 
     def _hidden(self, rows: int) -> dict[str, jax.Array]:
         """With speculation, a staging cache's or snapshot store's main hidden states ({"hidden" [rows, D]},

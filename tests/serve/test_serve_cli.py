@@ -53,6 +53,7 @@ def test_help_does_not_import_jax():
     (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1"),
     (["--prefill-rows", "0"], "--prefill-rows 0: must be >= 1"),
     (["--decode-steps", "0"], "--decode-steps 0: must be >= 1"),
+    (["--compile-threads", "0"], "--compile-threads 0: must be >= 1"),
     (["--decode-buckets", "1,9"], "--decode-buckets 1,9: each must be in 1 .. --max-batch 8"),
     (["--decode-buckets", "0"], "--decode-buckets 0: each must be in 1"),
     (["--decode-buckets", "2", "--speculative-tokens", "1"], "--decode-buckets apply to plain decoding"),
@@ -111,13 +112,14 @@ sys.exit(main(sys.argv[1:], engine_cls=engine_factory(token_delay=0.25)))
 @pytest.mark.heavy  # a fresh process compiles the model: ~10 s on 2 cores
 @pytest.mark.parametrize("k", [0, 2], ids=["plain", "speculative"])
 def test_sigterm_drains_and_exits_0(checkpoint, tokenizer_dir, k):
-    """The real command (the engine paced to tokens 0.25 s apart, compiled before it listens; with k
-    MTP drafts per call) under SIGTERM mid-stream."""
+    """The real command (the engine paced to tokens 0.25 s apart, compiled before it listens, with k
+    MTP drafts per call ahead of time in two threads) under SIGTERM mid-stream."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": SUBPROCESS_CACHE,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "LING_API_KEY": "k"}
     cmd = [sys.executable, "-c", SERVE_UNDER_TEST, "--checkpoint", str(checkpoint), "--tokenizer",
            str(tokenizer_dir / "tokenizer.json"), "--port", "0", "--dtype", "float32", "--served-model-name", "tiny",
-           "--shutdown-grace", "30", "--prefill-chunk", "16", "--max-len", "256", "--speculative-tokens", str(k)]
+           "--shutdown-grace", "30", "--prefill-chunk", "16", "--max-len", "256", "--speculative-tokens", str(k),
+           "--compile-threads", "2" if k else "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
