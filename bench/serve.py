@@ -310,7 +310,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
             elif running[0] and "CACHE MISS" in message:
                 misses.append(message[:3000])
 
-    handler, log_compiles = Compiled(), jax.config.jax_log_compiles
+    handler, log_compiles, explain = Compiled(), jax.config.jax_log_compiles, jax.config.jax_explain_cache_misses
     logging.getLogger("jax").addHandler(handler)
     jax.config.update("jax_log_compiles", True)
     compiles: list[float] = []
@@ -336,7 +336,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
             engine.shutdown(0.0)
     finally:
         jax.config.update("jax_log_compiles", log_compiles)
-        jax.config.update("jax_explain_cache_misses", False)
+        jax.config.update("jax_explain_cache_misses", explain)
         logging.getLogger("jax").removeHandler(handler)
         jax.monitoring.clear_event_listeners()
     warm = [m for run, m in messages if not run]
