@@ -184,12 +184,13 @@ def _verify_all(cfg: LingConfig, kernels: Kernels, params: Any, cache: dict, tok
 def _drafts(cfg: LingConfig, kernels: Kernels, params: Any, latent: jax.Array, tok_BT: jax.Array, h_BTD: jax.Array,
             lengths_B: jax.Array, keys_B: jax.Array, counts_B: jax.Array, k: int,
             rows: Kernels | None) -> tuple[jax.Array, jax.Array]:
-    """k greedy drafts per row after a verify that accepted every position: (drafts [B, k], MTP cache); with
-    `rows` (a decode record) in the row form."""
+    """k greedy drafts per row after a verify that accepted every position, in the static greedy form (the
+    engine's greedy speculative call's): (drafts [B, k], MTP cache); with `rows` (a decode record) in the
+    row form."""
     b = tok_BT.shape[0]
     greedy = (jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32))
     drafts, _, latent = mtp_drafts(cfg, kernels, params, latent, tok_BT, h_BTD, jnp.full((b,), k + 1, jnp.int32),
-                                   lengths_B, keys_B, counts_B, greedy, k, rows)
+                                   lengths_B, keys_B, counts_B, greedy, k, rows, sampled=False)
     return drafts, latent
 
 

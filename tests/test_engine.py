@@ -127,7 +127,8 @@ def test_engine_calls_copy_no_page_pool(model, call):
     else:
         b = e.max_batch
         lowered = device.speculative_step.lower(
-            cfg, e.k_prefill, 2, False, e.k_verify, e.params, e.cache, e.drafting, np.zeros((b, e.max_pages), np.int32),
+            cfg, e.k_prefill, 2, False, e.k_verify, False, e.params, e.cache, e.drafting,
+            np.zeros((b, e.max_pages), np.int32),
             np.ones(b, bool), np.zeros((b, 3), np.int32), np.ones(b, np.int32), np.zeros((b, *e._key_shape), np.uint32),
             np.zeros(b, np.int32), np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32))
     copies = re.findall(r"= (\S+) copy\(", lowered.compile().as_text())

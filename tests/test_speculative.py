@@ -5,6 +5,7 @@ statistics, and models without an MTP layer refused."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -257,6 +258,31 @@ def test_acceptance_keeps_the_model_distribution(temperature, top_k, top_p):
         assert _chi2_pvalue(emitted[rows, slot], p[slot]) > 1e-4, f"slot {slot}"
     assert 0.2 < np.mean(accepted >= 1) < 0.9  # drafts are accepted and rejected
     assert np.abs(p[0] - q[0]).sum() > 0.3  # the test distinguishes p from q
+
+
+def test_static_sampling_forms_equal_the_conditional():
+    """`draft_token` and `accept` in their static forms (the engine's speculative calls: the host picks
+    the form) give the drafts, log q, counts and tokens of their `lax.cond` form: the sampled form on a
+    batch mixing greedy and sampled rows, the greedy form on greedy rows."""
+    n, k = 64, 2
+    keys = jax.random.split(jax.random.key(3), n)
+    index = jnp.arange(n, dtype=jnp.int32)
+    rng = np.random.default_rng(1)
+    draft_logits = jnp.asarray(2 * rng.normal(size=(k, n, 8)), jnp.float32)
+    logits = jnp.asarray(2 * rng.normal(size=(n, k + 1, 8)), jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(temperature, form):
+        sampling = (temperature, jnp.full((n,), 5, jnp.int32), jnp.full((n,), 0.9))
+        drafts, logq = zip(*(draft_token(draft_logits[i], index_keys(keys, index + i, 1), *sampling, sampling=form)
+                             for i in range(k)), strict=True)
+        drafts, logq = jnp.stack(drafts, 1), jnp.stack(logq, 1)
+        return drafts, logq, accept(logits, drafts, logq, keys, index, *sampling, sampling=form)
+
+    mixed = jnp.where(jnp.arange(n) % 2 == 0, 0.0, 1.0)
+    for temperature, form in ((mixed, True), (jnp.zeros((n,)), False)):
+        jax.tree.map(np.testing.assert_array_equal, run(temperature, form), run(temperature, None))
+    assert (run(mixed, True)[0] != run(mixed, False)[0]).any()  # the sampled rows draw
 
 
 @pytest.mark.heavy  # suite time

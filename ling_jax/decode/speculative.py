@@ -60,10 +60,11 @@ def index_keys(keys_B: jax.Array, index: jax.Array, purpose: int) -> jax.Array:
 
 
 def draft_token(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
-                top_p_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+                top_p_B: jax.Array, *, sampling: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """A draft per row from the MTP logits: (token [B] int32, log q [B, V]: the log-probabilities of the
     filtered draft distribution it was drawn from; zeros when no row samples). Greedy rows
-    (temperature 0) take the argmax."""
+    (temperature 0) take the argmax. `sampling`: the form, as `sampling.sample`'s (None: a `lax.cond`
+    on whether any row samples; True: the sampled form; False: every row greedy, known to the caller)."""
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def sampled() -> tuple[jax.Array, jax.Array]:
@@ -71,7 +72,9 @@ def draft_token(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Arra
         drawn = jax.vmap(jax.random.categorical)(keys_B, masked).astype(jnp.int32)
         return jnp.where(temperature_B > 0, drawn, greedy), jax.nn.log_softmax(masked, axis=-1)
 
-    return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda: (greedy, jnp.zeros_like(logits_BV)))
+    if sampling is None:
+        return jax.lax.cond(jnp.any(temperature_B > 0), sampled, lambda: (greedy, jnp.zeros_like(logits_BV)))
+    return sampled() if sampling else (greedy, jnp.zeros_like(logits_BV))
 
 
 def _leading(ok_BK: jax.Array) -> jax.Array:
@@ -81,9 +84,9 @@ def _leading(ok_BK: jax.Array) -> jax.Array:
 
 def accept(logits_BTV: jax.Array, drafts_BK: jax.Array, logq_BKV: jax.Array, keys_B: jax.Array,
            index_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
-           top_p_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+           top_p_B: jax.Array, *, sampling: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Acceptance of k drafts against the verify logits (T = k + 1): (accepted count n [B] in [0, k],
-    the token after them [B] int32).
+    the token after them [B] int32). `sampling`: the form, as `draft_token`'s.
 
     drafts: [B, k], draft i for output index index[b] + i; logq: their draft distributions (log q,
     `draft_token`). Greedy rows: exact match with the argmax of logits[:, i]. Sampled rows: draft i
@@ -115,7 +118,9 @@ def accept(logits_BTV: jax.Array, drafts_BK: jax.Array, logq_BKV: jax.Array, key
         drawn = jax.vmap(jax.random.categorical)(index_keys(keys_B, index_B + n, TOKEN), log_r).astype(jnp.int32)
         return n, jnp.where(sampling, drawn, jnp.take_along_axis(greedy_BT, n[:, None], axis=1)[:, 0])
 
-    return jax.lax.cond(jnp.any(temperature_B > 0), sampled, greedy)
+    if sampling is None:
+        return jax.lax.cond(jnp.any(temperature_B > 0), sampled, greedy)
+    return sampled() if sampling else greedy()
 
 
 def speculative_loop(cfg: LingConfig, params: Params, cache: Cache, mtp_latent: jax.Array, logits_BV: jax.Array,
@@ -151,12 +156,13 @@ def speculative_loop(cfg: LingConfig, params: Params, cache: Cache, mtp_latent: 
 
 def mtp_drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Array, tok_BT: jax.Array,
             h_BTD: jax.Array, m_B: jax.Array, lengths_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
-            sampling: tuple[jax.Array, ...], k: int,
-            rows: Kernels | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+            sampling: tuple[jax.Array, ...], k: int, rows: Kernels | None = None,
+            sampled: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """k drafts per row from the MTP layer (module doc, 1): (drafts [B, k], log q [B, k, V], MTP cache).
     tok/h: the tokens and main hidden states of the m[b] positions lengths[b] - m[b] .. lengths[b] - 1
     (first m[b] of T slots). The MTP layer runs its sequence forms (`kernels`), or with `rows` (a decode
-    record) the decode step's row form (`verify.mtp_step_rows`)."""
+    record) the decode step's row form (`verify.mtp_step_rows`). `sampled`: the drafts' sampling form
+    (`draft_token`'s `sampling`)."""
     step = functools.partial(mtp_step, cfg, kernels) if rows is None else functools.partial(mtp_step_rows, cfg, rows)
     g_BTD, latent = step(params, latent, tok_BT, h_BTD, lengths_B - m_B)
     g_BD = jnp.take_along_axis(g_BTD, (m_B - 1)[:, None, None], axis=1)[:, 0]
@@ -165,7 +171,8 @@ def mtp_drafts(cfg: LingConfig, kernels: Kernels, params: Params, latent: jax.Ar
         if j:
             g_B1D, latent = step(params, latent, drafts[-1][:, None], g_BD[:, None], lengths_B + j - 1)
             g_BD = g_B1D[:, 0]
-        tok, logq = draft_token(lm_head(cfg, params, g_BD), index_keys(keys_B, index_B + j, DRAFT), *sampling)
+        tok, logq = draft_token(lm_head(cfg, params, g_BD), index_keys(keys_B, index_B + j, DRAFT), *sampling,
+                                sampling=sampled)
         drafts.append(tok)
         logqs.append(logq)
     return jnp.stack(drafts, axis=1), jnp.stack(logqs, axis=1), latent

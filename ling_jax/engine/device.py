@@ -381,29 +381,30 @@ def _copy_row(to: Cache, source: Cache, row: jax.Array, dst: jax.Array) -> Cache
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(7, 8))
 def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: bool, verify: Kernels | None,
-                     params: Params,
+                     sampled: bool, params: Params,
                      cache: Cache, drafting: Drafting, page_table_BN: jax.Array, active_B: jax.Array,
                      tokens_BT: jax.Array, m_B: jax.Array, keys_B: jax.Array, index_B: jax.Array,
                      temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
                      forced_BK: jax.Array | None = None) -> tuple[Cache, Drafting, dict[str, Any]]:
-    """One speculative step of every `active` row (`ling_jax.decode.speculative`, module doc 1-3):
-    the MTP layer drafts k tokens, the main model verifies the k + 1 positions lengths[b] ..
-    lengths[b] + k, and each row commits its accepted drafts and the main model's next token.
+    """One speculative step of every `active` row (`ling_jax.decode.speculative`, module doc 1-3): the MTP layer drafts
+    k tokens, the main model verifies the k + 1 positions lengths[b] .. lengths[b] + k, and each row commits its
+    accepted drafts and the main model's next token.
 
-    Row b's last step accepted the m[b] tokens tokens_BT[b, :m[b]] (after its prefill: m = 1, its
-    first new token), the tokens after positions lengths[b] - m[b] .. lengths[b] - 1, whose main
-    hidden states are drafting["hidden"][b, :m[b]]; the last of them is the one not yet run. Its draws use key data
-    keys_B[b] at output index index_B[b] (its tokens so far) as `speculative_loop`'s do, with its own
-    temperature, top-k and top-p. page_table_BN must name pages for positions up to lengths[b] + k
-    (the verify's latent rows; the MTP rows of positions up to lengths[b] + k - 1 are kept one page
-    slot later, module doc). Returns (cache: the main latent rows written, each active row's KDA
-    state and windows after its a[b] = accepted + 1 tokens, lengths + a; drafting: the MTP rows of the
-    drafted positions, the verified positions' hidden states; outputs: "tokens" [B, k + 1] (the a[b]
-    first are the row's new tokens), "accepted" [B] (a[b] - 1), and with `with_logprobs` the tokens'
-    log-probabilities under the main model [B, k + 1] and top tokens [B, k + 1, n]). Rows not active
-    change nothing: no page writes, their KDA state, length and drafting row as they were.
+    Row b's last step accepted the m[b] tokens tokens_BT[b, :m[b]] (after its prefill: m = 1, its first new token),
+    the tokens after positions lengths[b] - m[b] .. lengths[b] - 1, whose main hidden states are
+    drafting["hidden"][b, :m[b]]; the last of them is the one not yet run. Its draws use key data keys_B[b] at
+    output index index_B[b] (its tokens so far) as `speculative_loop`'s do, with its own temperature, top-k and
+    top-p; `sampled` False: every row greedy (no row samples), True: the drafts' and the acceptance's sampled forms
+    (greedy rows still exact) -- static, so that the call holds no conditional for XLA on a GPU to read back (as
+    `decode_steps`'s `sampling`). page_table_BN must name pages for positions up to lengths[b] + k (the verify's
+    latent rows; the MTP rows of positions up to lengths[b] + k - 1 are kept one page slot later, module doc).
+    Returns (cache: the main latent rows written, each active row's KDA state and windows after its a[b] = accepted
+    + 1 tokens, lengths + a; drafting: the MTP rows of the drafted positions, the verified positions' hidden states;
+    outputs: "tokens" [B, k + 1] (the a[b] first are the row's new tokens), "accepted" [B] (a[b] - 1), and with
+    `with_logprobs` the tokens' log-probabilities under the main model [B, k + 1] and top tokens [B, k + 1, n]).
+    Rows not active change nothing: no page writes, their KDA state, length and drafting row as they were.
 
     `verify` (a decode record of unrolled layers, `kernels.select(..., decode=True, unroll=True)`): the
     verify runs in the decode step's row form (`verify.verify_rows`: the k + 1 positions as rows of the
@@ -423,7 +424,8 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
         latent = jnp.concatenate([slots_BSW[:, 1:], jnp.zeros_like(slots_BSW[:, :1])], axis=1)
         # rows not active draft from position 0 (what they draft is dropped; no read past their pages)
         drafts, logq, latent = mtp_drafts(cfg, kernels, params, latent, tokens_BT, drafting["hidden"], m_B,
-                                          jnp.where(active_B, lengths, m_B), keys, index_B, sampling, k, verify)
+                                          jnp.where(active_B, lengths, m_B), keys, index_B, sampling, k, verify,
+                                          sampled)
         # the rows drafting wrote: positions lengths - m .. lengths + k - 1 (some as they were)
         pos_BJ = (lengths - m_B)[:, None] + jnp.arange(2 * k + 1)[None]
         rows = jnp.take_along_axis(latent, pos_BJ[..., None], axis=1, mode="clip")
@@ -445,7 +447,7 @@ def speculative_step(cfg: LingConfig, kernels: Kernels, k: int, with_logprobs: b
                                              verified_BT, True)
     # the page writes below wait for the last layer (as `prefill_chunk`'s): no pool copied
     logits_BTV, h_BTD, new = jax.lax.optimization_barrier((logits_BTV, h_BTD, new))
-    n, final = accept(logits_BTV, drafts, logq, keys, index_B, *sampling)
+    n, final = accept(logits_BTV, drafts, logq, keys, index_B, *sampling, sampling=sampled)
     advance = jnp.where(active_B, n + 1, 0)
     pos_BT = lengths[:, None] + jnp.arange(t)[None]
     valid_BT = jnp.broadcast_to(active_B[:, None], (b, t))

@@ -55,8 +55,8 @@ Compiled shapes: prefill calls of one prompt's chunk in powers of two up to `pre
 16) and, with `prefill_rows` > 1, of `prefill_rows` prompts' chunks of `prefill_chunk` / 4 and
 `prefill_chunk` tokens (prompt log-probabilities in calls of one prompt only), decode calls per
 decode bucket of 1 and of `decode_steps` steps, greedy and sampled (with speculation: the speculative
-call instead), each with and without log-probabilities; `warmup()` compiles them all, and serving never
-compiles afterwards.
+call, greedy and sampled, instead), each with and without log-probabilities; `warmup()` compiles them
+all, and serving never compiles afterwards.
 """
 
 from __future__ import annotations
@@ -349,8 +349,8 @@ class Engine:
                progress: Callable[[int, int, str, float], None] | None = None,
                compile_threads: int = 1) -> None:
         """Compiles every shape serving uses (each prefill call shape and decode call, or with speculation
-        the speculative call, with and, unless `logprobs` is False, without log-probabilities; decode
-        calls greedy and, unless `sampling` is False, sampled) on a scratch slot; nothing compiles after
+        the speculative call, with and, unless `logprobs` is False, without log-probabilities; decode and
+        speculative calls greedy and, unless `sampling` is False, sampled) on a scratch slot; nothing compiles after
         it. `logprobs=False` (a caller whose requests never ask for log-probabilities) halves the work,
         and so does `sampling=False` (requests at temperature 0 only); a request that asks for what was
         left out then compiles its shapes on first use.
@@ -378,10 +378,10 @@ class Engine:
             self.cache, out = self._decode(steps, lp, zeros_table[:rows], none[:rows], [], sampled)
             return out
 
-        def speculate(lp: bool, lower: bool = False) -> Any:
+        def speculate(sampled: bool, lp: bool, lower: bool = False) -> Any:
             if lower:
-                return device.speculative_step.lower(*self._speculate_args(lp, zeros_table, []))
-            return self._speculate(lp, zeros_table, [])
+                return device.speculative_step.lower(*self._speculate_args(lp, zeros_table, [], sampled))
+            return self._speculate(lp, zeros_table, [], sampled)
 
         def snapshot_round_trip(lower: bool = False) -> Any:  # the store is left as it was
             if lower:
@@ -395,7 +395,9 @@ class Engine:
             (f"prefill {rows} x {c}{lp_name[lp]}", functools.partial(prefill, rows, c, lp))
             for rows, c in self.prefill_shapes for lp in (variants if rows == 1 else (False,))]
         if self.spec:
-            shapes += [(f"speculative step{lp_name[lp]}", functools.partial(speculate, lp)) for lp in variants]
+            shapes += [(f"speculative step{', sampled' * sampled}{lp_name[lp]}",
+                        functools.partial(speculate, sampled, lp))
+                       for sampled in ((False, True) if sampling else (False,)) for lp in variants]
         else:
             shapes += [(f"decode {rows} slots, {n} step{'s' * (n > 1)}{', sampled' * sampled}{lp_name[lp]}",
                         functools.partial(decode, rows, n, sampled, lp))
@@ -833,13 +835,17 @@ class Engine:
                     break
             s.dispatched = s.emitted
 
-    def _speculate(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]]) -> Any:
+    def _speculate(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]],
+                   sampled: bool | None = None) -> Any:
         """Dispatches `device.speculative_step` for the `active` rows (the others change nothing):
-        its outputs, on the device."""
-        self.cache, self.drafting, out = device.speculative_step(*self._speculate_args(want_lp, table, active))
+        its outputs, on the device. `sampled`: its sampling form (default: sampled where an active row
+        samples, else greedy)."""
+        self.cache, self.drafting, out = device.speculative_step(
+            *self._speculate_args(want_lp, table, active, sampled))
         return out
 
-    def _speculate_args(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]]) -> tuple[Any, ...]:
+    def _speculate_args(self, want_lp: bool, table: np.ndarray, active: list[tuple[int, _Slot]],
+                        sampled: bool | None = None) -> tuple[Any, ...]:
         """`device.speculative_step`'s arguments for `_speculate`."""
         b, t = self.max_batch, self.spec + 1
         tokens, m = np.zeros((b, t), np.int32), np.ones(b, np.int32)
@@ -855,8 +861,9 @@ class Engine:
             if forced is not None and s.handle.id in self.forced_drafts:
                 f = self.forced_drafts[s.handle.id]
                 forced[i] = f[np.minimum(s.emitted + np.arange(self.spec), len(f) - 1)]
-        return (self.config, self.k_prefill, self.spec, want_lp, self.k_verify, self.params, self.cache, self.drafting,
-                table, rows, tokens, m, keys, index, temp, top_k, top_p, forced)
+        sampled = bool((temp > 0).any()) if sampled is None else sampled
+        return (self.config, self.k_prefill, self.spec, want_lp, self.k_verify, sampled, self.params, self.cache,
+                self.drafting, table, rows, tokens, m, keys, index, temp, top_k, top_p, forced)
 
     def _hidden(self, rows: int) -> dict[str, jax.Array]:
         """With speculation, a staging cache's or snapshot store's main hidden states ({"hidden" [rows, D]},
