@@ -331,9 +331,9 @@ def test_no_compiles_after_warmup(model, k, rows, logprobs):
     # asked, several prompts' without), then the decode or speculative calls
     n_prefill = len(engine.chunks) * (1 + logprobs) + (2 if rows > 1 else 0)
     assert [d for d, _, _ in shapes] == list(range(1, len(shapes) + 1))
-    # decode calls (one decode bucket: all slots) of 1 and decode_steps steps, greedy and sampled, or one
-    # speculative call
-    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + (1 if k else 4) * (1 + logprobs)}
+    # decode calls (one decode bucket: all slots) of 1 and decode_steps steps, or speculative calls, each
+    # greedy and sampled
+    assert {t for _, t, _ in shapes} == {len(shapes)} == {n_prefill + (2 if k else 4) * (1 + logprobs)}
     compiles = []
 
     def listener(event, duration, **_):
