@@ -147,3 +147,40 @@ def test_export_carries_the_platforms_kernels(platform, h200_lowering):
     want, _ = jax.jit(_forward_and_grad(dataclasses.replace(cfg, kda_impl="chunked"), params, ids))(params)
     assert np.isfinite(float(value)) and abs(float(value) - float(want)) < 1e-3 * abs(float(want))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+_TRACE_CONTEXT = """
+import jax, jax.numpy as jnp
+from jax._src import config
+from ling_jax.cache import init_cache
+from ling_jax.config import LingConfig
+from ling_jax.decode.step import decode_step
+from ling_jax.kernels import select
+from ling_jax.model import forward_hidden
+from ling_jax.params import init_params
+
+cfg = LingConfig.preset("debug", head_dim=16)
+params = init_params(cfg, seed=0, dtype=jnp.bfloat16)
+ids = jnp.zeros((1, 16), jnp.int32)
+prefill = select(cfg, dtype=jnp.bfloat16, inference=True, platform="gpu")
+step = select(cfg, dtype=jnp.bfloat16, decode=True, unroll=True, platform="gpu")
+assert prefill.kda == "pallas" and step.decode_kda, (prefill, step)
+before = len(config.trace_context())
+jax.jit(lambda p, i: forward_hidden(cfg, p, i, kernels=prefill)["final"]).trace(params, ids)
+jax.jit(lambda p, c, t: decode_step(cfg, step, p, c, t)).trace(
+    params, init_cache(cfg, 1, 32, jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+print(len(config.trace_context()) - before)
+"""
+
+
+def test_tracing_the_kernels_registers_no_trace_context_state():
+    """In a fresh process, tracing a prefill and a decode step with a GPU's kernels (every platform's
+    branch, the TPU's included) adds no state to JAX's trace context. A module imported first while
+    tracing that registers one (the Pallas TPU module does) leaves the call's cache key stale: its next
+    call compiles again, which a serving loop must never do after its warm-up."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TRACE_CONTEXT], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "0", out.stdout

@@ -14,6 +14,11 @@ from typing import Any
 
 import jax
 
+# Every branch is traced, the TPU's on a GPU too, and the first import of the Pallas TPU module registers
+# a trace-context config state: a jitted call whose tracing imported it keyed its cache before the state
+# existed, so its next call would trace and compile again. Imported here, before anything is traced.
+import jax.experimental.pallas.tpu
+
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 GPU_PLATFORMS = ("cuda", "rocm")
 

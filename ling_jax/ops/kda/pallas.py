@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 from ling_jax.ops.kda import pallas_chunk as pc
 from ling_jax.ops.kda.gate import inv_l2_norm, kda_gate
@@ -73,11 +75,7 @@ def default_tiles(backend: str, chunk: int, dk: int, dv: int, exact: bool = Fals
 def _compiler_params(cfg: Cfg, warps: int, stages: int | None = None, sequential: bool = False,
                      key_blocks: bool = False):
     if cfg.backend == "triton":
-        from jax.experimental.pallas import triton as pltriton
-
         return pltriton.CompilerParams(num_warps=warps, num_stages=stages if stages else 1)
-    from jax.experimental.pallas import tpu as pltpu
-
     sem = ("parallel",) * (4 if key_blocks else 3) + (("arbitrary",) if sequential else ())
     return pltpu.CompilerParams(dimension_semantics=sem)
 
@@ -258,8 +256,6 @@ def _fwd_state(cfg: Cfg, w, u, qg, kg, aqk, gam, h0t, out_dtype, store_h: bool, 
             interpret=cfg.interpret, name="kda_fwd_state",
         )(w, u, qg, kg, aqk, gam, h0t)
 
-    from jax.experimental.pallas import tpu as pltpu
-
     def tkernel(w_ref, u_ref, qg_ref, kg_ref, aqk_ref, gam_ref, h0_ref, o_ref, ht_ref, *rest):
         st_ref = rest[-1]
         rest = rest[:-1]
@@ -346,8 +342,6 @@ def _bwd_state(cfg: Cfg, qg, w, kg, aqk, gam, do, dht, dcs):
             compiler_params=_compiler_params(cfg, cfg.warps_state, cfg.stages_state),
             interpret=cfg.interpret, name="kda_bwd_state",
         )(*args)
-
-    from jax.experimental.pallas import tpu as pltpu
 
     def tkernel(qg_ref, w_ref, kg_ref, aqk_ref, gam_ref, do_ref, dht_ref, *rest):
         dst_ref = rest[-1]
