@@ -289,7 +289,8 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
                *, concurrency: int | None, rate: float | None, seed: int, label: str, compile_threads: int = 1,
                **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
-    `summarize` of its requests, its size, its `stats()`, its start-up time and the XLA compilations
+    `summarize` of its requests, its size, its `stats()`, the occupancy of its decode steps (rows
+    decoding per slot computed, `stats()`'s row steps / slot steps), its start-up time and the XLA compilations
     that ran during the workload (none is the engine's promise): seconds each, and what each compiled
     (`compiled_during_run`: JAX's `jax_log_compiles` line, where it first differs from the closest
     line of the same function's compilations in the warm-up; `cache_misses_during_run`: JAX's explanation
@@ -340,8 +341,9 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         logging.getLogger("jax").removeHandler(handler)
         jax.monitoring.clear_event_listeners()
     warm = [m for run, m in messages if not run]
+    occupancy = stats["decode_row_steps_total"] / max(1, stats["decode_slot_steps_total"])
     return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
-            "engine_start_s": start_s, "compiles_during_run_s": compiles,
+            "decode_occupancy": occupancy, "engine_start_s": start_s, "compiles_during_run_s": compiles,
             "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run],
             "cache_misses_during_run": misses}
 
@@ -682,6 +684,7 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         if name in result:
             r = result[name]
             hits = f"; prefix hit rate {r['prefix']['hit_rate']:.3f}" if "prefix" in r else ""
+            hits += f"; decode occupancy {r['decode_occupancy']:.3f}" if "decode_occupancy" in r else ""
             print(f"{name:>6}: {r['requests']} requests in {r['duration_s']:.2f} s: {r['request_throughput']:.2f} "
                   f"req/s, {r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total "
                   f"tokens/s; TTFT p50 {r['ttft_s']['p50']} p99 {r['ttft_s']['p99']}, TPOT p50 {r['tpot_s']['p50']}"

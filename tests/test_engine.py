@@ -183,8 +183,11 @@ def test_a_row_ending_mid_call_keeps_the_others_steps(model):
         engine._iterate()
         assert engine.pool.reserved >= 0 and all(s is None or s.reserved >= 0 for s in engine.slots)
     assert [h.result() for h in hs] == _reference(cfg, params, prompts, [2, 24])
-    assert engine.counters["decode_calls_total"] == 6
-    assert engine.stats()["pages_used"] == 0 and engine.pool.reserved == 0
+    stats = engine.stats()
+    assert stats["decode_calls_total"] == 6 and stats["decode_steps_total"] == 24
+    # the short request decodes in the first call only; every call computes both slots
+    assert stats["decode_row_steps_total"] == 4 * 2 + 5 * 4 and stats["decode_slot_steps_total"] == 24 * 2
+    assert stats["pages_used"] == 0 and engine.pool.reserved == 0
 
 
 def test_a_row_near_max_len_takes_the_steps_left(model):
@@ -492,7 +495,8 @@ def test_speculative_tokens_equal_generate(model, k):
                               sampling=lambda i: SamplingParams(max_tokens=max_tokens[i], ignore_eos=True, logprobs=0))
             assert [[o.token_id for o in g] for g in got] == want, name
             logprobs[name] = [[o.logprob for o in g] for g in got]
-            rounds[name] = {key: engine.stats()[key] - before[key] for key in before if key.startswith("spec_")}
+            rounds[name] = {key: engine.stats()[key] - before[key] for key in before
+                            if key.startswith(("spec_", "decode_"))}
         stop = want[0][2]
         engine.forced_drafts = {"stop": right[0]}
         stopped = engine.submit(prompts[0], SamplingParams(max_tokens=12, stop_token_ids=(stop,)), "stop").result()
@@ -512,6 +516,10 @@ def test_speculative_tokens_equal_generate(model, k):
     assert 0 < rounds["wrong"]["spec_accepted_tokens"] < rounds["wrong"]["spec_draft_tokens"]
     for r in rounds.values():  # k drafts for each of the 1 to 4 decoding rows of a call
         assert r["spec_draft_tokens"] % k == 0 and k <= r["spec_draft_tokens"] / r["spec_verify_calls"] <= 4 * k
+        # a speculative call is one step over all 4 slots
+        assert r["decode_steps_total"] == r["decode_calls_total"] == r["spec_verify_calls"]
+        assert k * r["decode_row_steps_total"] == r["spec_draft_tokens"]
+        assert r["decode_slot_steps_total"] == 4 * r["spec_verify_calls"]
     # every call verifies k drafts per decoding row, and a request of m tokens takes its first from the
     # prefill and at least ceil((m - 1) / (k + 1)) calls after it
     assert rounds["right"]["spec_draft_tokens"] >= k * sum(-(-(m - 1) // (k + 1)) for m in max_tokens)

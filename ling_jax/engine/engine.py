@@ -265,7 +265,8 @@ class Engine:
         self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
         self._draining: list[_Slot] = []  # ended requests whose pages wait for a call in flight's snapshot
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
-                         "prefill_chunks_total": 0, "prefill_calls_total": 0, "decode_calls_total": 0}
+                         "prefill_chunks_total": 0, "prefill_calls_total": 0, "decode_calls_total": 0,
+                         "decode_steps_total": 0, "decode_row_steps_total": 0, "decode_slot_steps_total": 0}
         if self.spec:
             self.counters.update(spec_verify_calls=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 
@@ -313,7 +314,8 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """Gauges (running, waiting, pages; with the prefix cache its pages, snapshots and bytes) and
-        counters (requests, tokens, calls; prefix hits, misses, cached tokens, evictions; with
+        counters (requests, tokens, calls; decode steps, and those times the rows decoding / the slots
+        computed, whose ratio is the batch's occupancy; prefix hits, misses, cached tokens, evictions; with
         speculation the speculative calls, the drafts they verified (k per decoding row) and the drafts
         accepted)."""
         with self._lock:
@@ -705,9 +707,17 @@ class Engine:
                 s.length += steps
                 s.dispatched += steps
             self._flight = (out, active, steps, want_lp, snaps)
-            self.counters["decode_calls_total"] += 1
+            self._count_decode(steps, len(active), rows)
         if prev:
             self._deliver(*prev)
+
+    def _count_decode(self, steps: int, active: int, rows: int) -> None:
+        """Counts a decode (or speculative) call of `steps` steps over `rows` slots (its bucket), `active`
+        of them decoding: row steps / slot steps is the batch's occupancy, what a step's cost buys."""
+        self.counters["decode_calls_total"] += 1
+        self.counters["decode_steps_total"] += steps
+        self.counters["decode_row_steps_total"] += steps * active
+        self.counters["decode_slot_steps_total"] += steps * rows
 
     def _steps_left(self, s: _Slot) -> int:
         """Decode steps slot s still dispatches: one per new token after the first, and with output
@@ -822,7 +832,7 @@ class Engine:
         out = jax.device_get(self._speculate(want_lp, table, active))
         self.counters["spec_verify_calls"] += 1
         self.counters["spec_draft_tokens"] += self.spec * len(active)
-        self.counters["decode_calls_total"] += 1
+        self._count_decode(1, len(active), self.max_batch)
         for i, s in active:
             n = int(out["accepted"][i]) + 1
             self.counters["spec_accepted_tokens"] += n - 1

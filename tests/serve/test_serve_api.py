@@ -521,3 +521,5 @@ def test_speculative_engine_serves_generates_tokens(model, codec):
     assert values["ling_engine_spec_verify_calls"] >= 4 * 9 / 3
     assert values["ling_engine_spec_draft_tokens"] >= 2 * values["ling_engine_spec_verify_calls"]
     assert 0 <= values["ling_engine_spec_accepted_tokens"] <= values["ling_engine_spec_draft_tokens"]
+    assert values["ling_engine_decode_steps_total"] == values["ling_engine_spec_verify_calls"]
+    assert 0 < values["ling_engine_decode_row_steps_total"] <= values["ling_engine_decode_slot_steps_total"]
