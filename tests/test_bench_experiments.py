@@ -266,3 +266,18 @@ def test_mgpu_persistent_chain_matches_the_reference(form, programs):
     outs = fn(x0, w, stages, programs=programs, depth=3, interpret=True)
     assert [o.shape for o in outs] == [(st.split, st.o) for st in stages]
     assert worst_stage_error(x0, outs, w, stages) < 1e-3
+
+
+def test_makespan_bound(tmp_path):
+    """bench/experiments/makespan.py: the longest slot's steps of requests taken in order by the first free
+    slot, static batches' steps, and the bound they set on the engine against static `generate`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "experiments"))
+    import makespan
+
+    assert makespan.makespan([5, 5, 5, 5], 2) == 8 and makespan.makespan([9, 2, 2, 2, 2], 2) == 8
+    assert makespan.makespan([3, 9], 4) == 8 and makespan.static_steps([9, 2, 2, 2, 2], 2) == 9 + 2 + 2
+    out = tmp_path / "out.json"
+    assert makespan.main(["--num-requests", "128", "--concurrency", "8", "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["perfectly_packed_steps"] <= r["engine_steps"] <= r["static_steps"]
+    assert r["engine_s"] > r["engine_s_free_prefill"] and r["bound_vs_static"] < r["bound_vs_static_free_prefill"]
