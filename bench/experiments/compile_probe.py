@@ -16,7 +16,9 @@ call's XLA compilations (JAX's `jax_log_compiles` lines) recorded:
 
 A call that compiles where the same call compiled before names what the compilation cache is keyed
 on beyond the arguments (`bench/serve.py` records that a prefill call compiles during a GPU run
-although its arguments and its `jax_log_compiles` line equal a warm-up call's). Also reported: JAX's
+although its arguments and its `jax_log_compiles` line equal a warm-up call's: the Pallas TPU module,
+first imported while the first prefill was traced, had added a trace-context state; `ops/platform.py` now
+imports it before any trace). Also reported: JAX's
 trace context in the main thread and in a new one, and JAX's explanation of each cache miss
 (`jax_explain_cache_misses`) per call.
 """
