@@ -271,8 +271,7 @@ def test_mgpu_persistent_chain_matches_the_reference(form, programs):
 def test_makespan_bound(tmp_path):
     """bench/experiments/makespan.py: the longest slot's steps of requests taken in order by the first free
     slot, static batches' steps, and the bound they set on the engine against static `generate`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "experiments"))
-    import makespan
+    from bench.experiments import makespan
 
     assert makespan.makespan([5, 5, 5, 5], 2) == 8 and makespan.makespan([9, 2, 2, 2, 2], 2) == 8
     assert makespan.makespan([3, 9], 4) == 8 and makespan.static_steps([9, 2, 2, 2, 2], 2) == 9 + 2 + 2
