@@ -30,8 +30,10 @@ from typing import Any
 import jax
 
 
-def _device_events(path: str) -> list[tuple[str, int, int, int | None]]:
-    """(name, start ns, end ns, program id) of every event on the first accelerator plane's streams."""
+def _device_events(path: str, program: tuple[str, ...] = ("program_id",)) -> list[tuple[str, int, int, Any]]:
+    """(name, start ns, end ns, program) of every event on the first accelerator plane's streams; the
+    program is the first of the event's stats named in `program` that it has (`program_id`: the compiled
+    module's id, an int; `hlo_module`: its name), None where it has none."""
     data = jax.profiler.ProfileData.from_file(path)
     planes = [p for p in data.planes if p.name.startswith("/device:") and "CPU" not in p.name]
     if not planes:
@@ -41,8 +43,10 @@ def _device_events(path: str) -> list[tuple[str, int, int, int | None]]:
         if not line.name.lower().startswith("stream"):
             continue
         for e in line.events:
-            pid = dict(e.stats).get("program_id")
-            events.append((e.name, int(e.start_ns), int(e.end_ns), None if pid is None else int(pid)))
+            stats = dict(e.stats)
+            name = next((k for k in program if stats.get(k) is not None), None)
+            prog = None if name is None else int(stats[name]) if name == "program_id" else stats[name]
+            events.append((e.name, int(e.start_ns), int(e.end_ns), prog))
     return events
 
 
@@ -108,6 +112,42 @@ def hlo_copies(hlo_dir: str, top: int = 15, module_re: str | None = None) -> lis
                                             "operand": operand})
                 row["count"] += 1
     return sorted(seen.values(), key=lambda r: -r["MB"] * r["count"])[:top]
+
+
+GAP_EDGES_S = (1e-4, 1e-3, 1e-2)
+
+
+def timeline(events: list[tuple[str, int, int, Any]]) -> dict[str, Any]:
+    """Where a traced stretch of serving went on the device: from `_device_events` (`trace_timeline`),
+    the span (first kernel's start to last kernel's end), the busy time (union of the kernels'
+    intervals) and the idle rest, seconds; the busy time and kernel count of each program (its module
+    name, e.g. `jit_prefill_chunk`; "?" where the events carry none), most first; and the idle gaps
+    between busy stretches by length (at least each of `GAP_EDGES_S`): how many and their seconds."""
+    if not events:
+        return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "by_program": [], "idle_gaps": []}
+    ev = sorted(events, key=lambda x: x[1])
+    per: dict[str, list[tuple[str, int, int, Any]]] = collections.defaultdict(list)
+    busy, end, gaps = 0, ev[0][1], []
+    for x in ev:
+        per["?" if x[3] is None else str(x[3])].append(x)
+        if x[1] > end:
+            gaps.append(x[1] - end)
+        if x[2] > end:
+            busy += x[2] - max(x[1], end)
+            end = x[2]
+    span = end - ev[0][1]
+    programs = sorted(((name, _busy_ns(xs), len(xs)) for name, xs in per.items()), key=lambda r: -r[1])
+    return {"span_s": span / 1e9, "busy_s": busy / 1e9, "idle_s": (span - busy) / 1e9,
+            "by_program": [{"program": name, "busy_s": b / 1e9, "kernels": n} for name, b, n in programs],
+            "idle_gaps": [{"at_least_s": edge, "count": sum(g >= edge * 1e9 for g in gaps),
+                           "total_s": sum(g for g in gaps if g >= edge * 1e9) / 1e9} for edge in GAP_EDGES_S]}
+
+
+def trace_timeline(logdir: str) -> dict[str, Any]:
+    """`timeline` of the newest trace under `logdir` (`jax.profiler.trace(logdir)`), by module name (by
+    module id where the trace names none)."""
+    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
+    return timeline(_device_events(path, ("hlo_module", "program_id")))
 
 
 def _span_ns(events: list[tuple[str, int, int, Any]], calls: int) -> int:

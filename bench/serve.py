@@ -45,6 +45,10 @@ each pair, with the same engine options ("engine_concurrency_C"); `--decode-buck
 engine its decode buckets (`Engine(decode_buckets=...)`), so one engine of `--max-batch` slots serves
 low concurrencies at a small batch's step.
 
+`--profile DIR` (in-process) traces each engine run's workload with `jax.profiler` into DIR/<run> and
+reports where its device time went (`device_timeline`: span, busy and idle seconds, busy seconds per
+compiled program, idle gaps by length; `bench.device_profile.timeline`).
+
 `--snapshot-timing --preset NAME` (no workload, no weights) times the prefix cache's snapshot save
 and restore calls on caches of the preset's shapes (`snapshot_timing`).
 
@@ -287,14 +291,16 @@ def run_static(cfg: Any, params: Any, requests: Sequence[Request], batch: int,
 
 def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversations: Sequence[Sequence[Request]],
                *, concurrency: int | None, rate: float | None, seed: int, label: str, compile_threads: int = 1,
-               **options: Any) -> dict[str, Any]:
+               profile_dir: str | None = None, **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
     `summarize` of its requests, its size, its `stats()`, the occupancy of its decode steps (rows
     decoding per slot computed, `stats()`'s row steps / slot steps), its start-up time and the XLA compilations
     that ran during the workload (none is the engine's promise): seconds each, and what each compiled
     (`compiled_during_run`: JAX's `jax_log_compiles` line, where it first differs from the closest
     line of the same function's compilations in the warm-up; `cache_misses_during_run`: JAX's explanation
-    of each cache miss then, `jax_explain_cache_misses`)."""
+    of each cache miss then, `jax_explain_cache_misses`). With `profile_dir` the workload runs under
+    `jax.profiler.trace(profile_dir)` and `device_timeline` says where its device time went
+    (`bench.device_profile.timeline`: busy per program, idle gaps; empty without an accelerator)."""
     import logging
 
     import jax
@@ -330,8 +336,9 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         running[0] = True
         jax.config.update("jax_explain_cache_misses", True)
         try:
-            results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
-                                        seed=seed))
+            with jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext():
+                results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
+                                            seed=seed))
             stats = engine.stats()
         finally:
             engine.shutdown(0.0)
@@ -342,10 +349,17 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         jax.monitoring.clear_event_listeners()
     warm = [m for run, m in messages if not run]
     occupancy = stats["decode_row_steps_total"] / max(1, stats["decode_slot_steps_total"])
-    return {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
-            "decode_occupancy": occupancy, "engine_start_s": start_s, "compiles_during_run_s": compiles,
-            "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run],
-            "cache_misses_during_run": misses}
+    out = {**summarize(results), "max_batch": options["max_batch"], "max_len": options["max_len"], "stats": stats,
+           "decode_occupancy": occupancy, "engine_start_s": start_s, "compiles_during_run_s": compiles,
+           "compiled_during_run": [against_warmup(m, warm) for run, m in messages if run],
+           "cache_misses_during_run": misses}
+    if profile_dir:
+        from bench.device_profile import trace_timeline
+
+        out["device_timeline"] = t = trace_timeline(profile_dir)
+        print(f"{label}: device span {t['span_s']:.2f} s, busy {t['busy_s']:.2f} s, idle {t['idle_s']:.2f} s; "
+              + ", ".join(f"{p['program']} {p['busy_s']:.2f} s" for p in t["by_program"][:6]), flush=True)
+    return out
 
 
 def against_warmup(message: str, warm: Sequence[str], context: int = 300) -> dict[str, Any]:
@@ -487,6 +501,8 @@ def _parser() -> argparse.ArgumentParser:
                          "slots busy at the top of --prompt-len tokens, against decode_loop's at the same batch "
                          "and context (--output-len's top: steps timed)")
     ap.add_argument("--step-reps", type=int, default=3, help="--step-timing: timed runs per measurement")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="trace each in-process engine run into DIR/<run> and report its device timeline")
     ap.add_argument("--snapshot-timing", action="store_true",
                     help="with --preset, instead of a workload: ms per prefix-cache snapshot save and restore")
     ap.add_argument("--out", default="bench/results/serve.json")
@@ -574,8 +590,9 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         ap.error(f"--also-concurrency C:N needs C >= 1 and 1 <= N <= --num-requests ({args.num_requests})")
     if also and (not in_process or args.step_timing):
         ap.error("--also-concurrency runs a workload through an in-process engine")
-    if (args.compare_prefix_cache or compare_rows or args.step_timing) and not in_process:
-        ap.error("--compare-prefix-cache, --compare-prefill-rows and --step-timing need an in-process engine")
+    if (args.compare_prefix_cache or compare_rows or args.step_timing or args.profile) and not in_process:
+        ap.error("--compare-prefix-cache, --compare-prefill-rows, --step-timing and --profile need an in-process "
+                 "engine")
     if compare_rows and (args.compare_prefix_cache or args.compare_prefill_rows < 1):
         ap.error("--compare-prefill-rows must be >= 1, and compares without --compare-prefix-cache")
     if args.static and args.multi_turn > 1:
@@ -658,7 +675,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
                   dict(concurrency=c, rate=None, seed=args.seed)) for c, n in also]
         for name, prefix, rows, run_convs, run_load in runs:
             result[name] = run_engine(engine_cls, cfg, params, run_convs, label=name, prefix_cache=prefix, **run_load,
-                                      compile_threads=args.compile_threads, **(options | {"prefill_rows": rows}))
+                                      compile_threads=args.compile_threads, **(options | {"prefill_rows": rows}),
+                                      profile_dir=args.profile and str(Path(args.profile) / name))
             write_json(args.out, result)
             print(f"{name}: {result[name]['requests']} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:

@@ -197,6 +197,27 @@ def test_device_profile_span_splits_calls_at_the_longest_gaps():
     assert _span_ns(events, 1) == 5020
 
 
+def test_timeline_splits_the_span_into_programs_and_idle_gaps():
+    """Busy time is the union of the kernels (overlaps once), per program too; the idle gaps between busy
+    stretches are counted by length; kernels without a program go under "?"."""
+    from bench.device_profile import timeline
+
+    ms = 1_000_000
+    events = [("k", 0, 2 * ms, "jit_decode"), ("k", 1 * ms, 3 * ms, "jit_decode"),  # overlap: busy 3 ms
+              ("k", 3 * ms + 50_000, 13 * ms, "jit_prefill"),  # after a 0.05 ms gap
+              ("k", 15 * ms, 16 * ms, None),  # after 2 ms
+              ("k", 16 * ms + 500_000, 17 * ms, "jit_decode")]  # after 0.5 ms
+    t = timeline(events)
+    assert t["span_s"] == pytest.approx(17e-3) and t["busy_s"] == pytest.approx(14.45e-3)
+    assert t["idle_s"] == pytest.approx(2.55e-3)
+    assert [(p["program"], p["kernels"]) for p in t["by_program"]] == [("jit_prefill", 1), ("jit_decode", 3),
+                                                                       ("?", 1)]
+    assert [p["busy_s"] for p in t["by_program"]] == pytest.approx([9.95e-3, 3.5e-3, 1e-3])
+    assert [(g["at_least_s"], g["count"]) for g in t["idle_gaps"]] == [(1e-4, 2), (1e-3, 1), (1e-2, 0)]
+    assert [g["total_s"] for g in t["idle_gaps"]] == pytest.approx([2.5e-3, 2e-3, 0.0])
+    assert timeline([])["busy_s"] == 0.0
+
+
 def test_span_fields_rate_the_span_against_the_floor():
     """The weight-stream row: GB/s and the ratio to the floor come from the span, not the summed kernels."""
     from bench.device_profile import span_fields

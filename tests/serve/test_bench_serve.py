@@ -23,8 +23,13 @@ def test_in_process_engine_against_static(tmp_path):
     assert main(["--preset", "debug", "--random-weights", "--dtype", "float32", "--num-requests", "4",
                  "--concurrency", "2", "--prompt-len", "4:12", "--output-len", "2:6", "--static", "--scan-layers",
                  "--prefill-rows", "2", "--compare-prefill-rows", "1", "--decode-buckets", "1",
-                 "--also-concurrency", "1:3", "--out", str(out)], engine_cls=Engine) == 0
+                 "--also-concurrency", "1:3", "--profile", str(tmp_path / "trace"), "--out", str(out)],
+                engine_cls=Engine) == 0
     r = json.loads(out.read_text())
+    for name in ("engine", "engine_prefill_rows_1", "engine_concurrency_1"):  # a trace of each run; no device plane
+        assert list((tmp_path / "trace" / name).rglob("*.xplane.pb"))
+        assert r[name]["device_timeline"] == {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "by_program": [],
+                                              "idle_gaps": []}
     want = sum(q.max_tokens for q in make_requests(4, (4, 12), (2, 6), 512, 0))
     assert r["engine"]["output_tokens"] == r["static"]["output_tokens"] == want
     # the same requests with one prompt per prefill call: a call for each prompt's chunk
