@@ -459,6 +459,48 @@ def test_next_call_dispatched_before_reading_the_last(model):
         assert events[i - 1][0] == "dispatch" and dispatches[events[i][1]] < i - 1
 
 
+def test_a_prompts_first_token_is_read_after_the_next_decode_call(model, monkeypatch):
+    """A prompt's last prefill chunk leaves its first token on the device: the host dispatches the next
+    decode call (which takes that token there) before it reads the prefill call's outputs, so a prompt
+    finishing never drains the device's queue; the tokens are still `generate`'s."""
+    cfg, params = model
+    events = []
+    prefill, device_get = device.prefill_chunk, jax.device_get
+
+    def recorded_prefill(*args):
+        *caches, out = prefill(*args)
+        events.append(("prefill", out))  # the objects, not their ids: those of freed ones come back
+        return (*caches, out)
+
+    def recorded_get(x):
+        events.append(("read", x))
+        return device_get(x)
+
+    class Recorded(Engine):
+        def _decode(self, *args):
+            cache, out = super()._decode(*args)
+            events.append(("decode", out))
+            return cache, out
+
+    rng = np.random.default_rng(9)
+    prompts = _prompts(rng, cfg, 4, 20, 40)  # two chunks each
+    engine = Recorded(cfg, params, max_batch=2, max_len=64, page_size=16, prefill_chunk=16, decode_steps=2)
+    monkeypatch.setattr(device, "prefill_chunk", recorded_prefill)
+    monkeypatch.setattr(jax, "device_get", recorded_get)
+    _serve(engine)
+    try:
+        got = _concurrent(engine, prompts, [5] * 4, 2)
+    finally:
+        engine.shutdown(5)
+    assert got == _reference(cfg, params, prompts, [5] * 4)
+    prefills = [(i, o) for i, (e, o) in enumerate(events) if e == "prefill"]
+    reads = [(i, next(j for j, p in prefills if p is o)) for i, (e, o) in enumerate(events)
+             if e == "read" and any(p is o for _, p in prefills)]
+    assert len(prefills) >= 8 and len(reads) == 4  # every chunk ran; the last chunk of each prompt was read
+    for i, j in reads:  # a decode call was dispatched between the prefill call and its read
+        assert any(e == "decode" for e, _ in events[j + 1:i])
+
+
 # --- speculative decoding (speculative_tokens=k) ------------------------------------------------------------
 
 

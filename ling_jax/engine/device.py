@@ -7,7 +7,7 @@ states and conv windows, per MLA layer one pool of pages. Page tables live on th
 each call: [N] for the slot a chunk fills, [B, N] for a decode step; position t of a row is
 page table[t // K], row t % K. Page 0 is never handed out: a free slot's table points there, and
 its decode writes land there harmlessly. The engine's cache adds "tokens" [B] int32: each row's last
-token sampled by a decode call, the next call's input (`decode_steps`).
+token sampled by a prefill or decode call, the next decode call's input (`decode_steps`).
 
 A prefill call runs a chunk of each of R prompts ([R, C] tokens). A prompt's chunks carry its KDA
 state and windows from chunk to chunk in a row of its own in a staging cache
@@ -134,7 +134,9 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, unro
     chunks (KDA state and windows in staging row srow_R[r], from zero where start == 0; MLA latents in
     the slot's pages: page_table_RN[r] must name pages for every position up to start + n_valid). A row
     with n_valid 0 is padding: it writes nothing. Returns (cache with the chunks' latents in the slots'
-    pages, their KDA states and windows in the slots and their lengths start + n_valid; the staging
+    pages, their KDA states and windows in the slots, their lengths start + n_valid and their "tokens"
+    the "token" output (where the engine keeps it: a prompt's last chunk gives its first new token,
+    the next decode call's input without a host round trip); the staging
     cache with the states and windows in the rows' staging rows; the drafting state; outputs).
 
     With `drafting` (speculative decoding, module doc; None: without) a row also writes the MTP
@@ -200,7 +202,10 @@ def prefill_chunk(cfg: LingConfig, kernels: Kernels, prompt_logprobs: bool, unro
                                         TOP_LOGPROBS)
         out.update(prompt_logprob=lp_n.reshape(r, c), prompt_top_ids=ids_nk.reshape(r, c, -1),
                    prompt_top_logprobs=lps_nk.reshape(r, c, -1))
-    return ({**cache, **place({"segments": segs, "lengths": lengths})}, _placed(staged),
+    new_cache = place({"segments": segs, "lengths": lengths})
+    if "tokens" in cache:
+        new_cache["tokens"] = constrain(cache["tokens"].at[slot_R].set(token, mode="drop"), "cache_rows")
+    return ({**cache, **new_cache}, _placed(staged),
             place_drafting(drafting) if drafting is not None else None, out)
 
 

@@ -7,8 +7,11 @@ are admitted into free slots between steps; a slot's prompt is prefilled in chun
 for its whole prefill); then the slot decodes with the others, `decode_steps` steps per host round
 trip while no request waits to start (one while any does, or where a row nears `max_len`). Decode
 calls are pipelined: the next call is dispatched (its input tokens the previous call's outputs, on the
-device) before the host reads the previous call's tokens, so delivering tokens, admitting and
-building page tables overlap the device's work (a decode call holds nothing that the host must read
+device) before the host reads the previous call's tokens, and a prompt's first token, which its last
+prefill chunk leaves on the device, is read only after the decode call that takes it there is
+dispatched (except where the call returns prompt log-probabilities, a request asks for no new token,
+or with speculation); so delivering tokens, admitting and building page tables overlap the device's
+work (a decode call holds nothing that the host must read
 back while it runs: static step counts, greedy or sampled by the host's choice, the prefix cache's
 output snapshots taken by scatters that drop what is not taken; `device.decode_steps`);
 a request that ends within a call wastes the rest of it and at most the call after it (the steps past
@@ -110,6 +113,7 @@ class _Slot:
     fresh: list[int] = dataclasses.field(default_factory=list)  # speculation: the tokens its last call accepted
     out_snaps: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (boundary, store row) in flight
     out_key: bytes | None = None  # the key of its deepest output snapshot in the index
+    first: tuple[Any, int] | None = None  # its first token not yet read: (its prefill call's outputs, row)
 
     @property
     def decoding(self) -> bool:
@@ -606,8 +610,13 @@ class Engine:
             s.prefilled = s.length = s.prefilled + n
             if self.prefix is not None:
                 self._cache_prefix(s)
-        if not want_lp and not any(s.decoding for _, s, _ in group):
-            return sum(n for _, _, n in group)  # chunks in the middle of prompts are not waited for
+        done = [(r, s) for r, (_, s, _) in enumerate(group) if s.decoding]
+        if not want_lp and not self.spec and all(s.handle.sampling.max_tokens for _, s in done):
+            for r, s in done:  # the first token is read after the next decode call is dispatched
+                self._free_srows.append(s.srow)
+                s.srow, s.first = None, (out, r)
+                s.dispatched += 1
+            return sum(n for _, _, n in group)
         out = jax.device_get(out)
         for r, ((i, s, n), a) in enumerate(zip(group, starts, strict=True)):
             row = {name: v[r] for name, v in out.items()}
@@ -660,6 +669,19 @@ class Engine:
         s.dispatched += 1
         self._emit(i, s, int(out["token"]), float(out["logprob"]), out["top_ids"], out["top_logprobs"])
 
+    def _first_tokens(self) -> None:
+        """Delivers the first tokens that prefill calls left on the device (`_Slot.first`); the decode call
+        dispatched before this reads them there, so the device runs it while the host waits here."""
+        read: dict[int, dict[str, np.ndarray]] = {}
+        for i, s in enumerate(self.slots):
+            if s is None or s.first is None:
+                continue
+            out, r = s.first
+            s.first = None
+            row = read.setdefault(id(out), jax.device_get(out))
+            self._emit(i, s, int(row["token"][r]), float(row["logprob"][r]), row["top_ids"][r],
+                       row["top_logprobs"][r])
+
     def _emit(self, i: int, s: _Slot, token: int, lp: float, top_ids: np.ndarray, top_lps: np.ndarray) -> bool:
         """Delivers one new token; releases the slot when the request is done. True while it runs."""
         k = s.handle.sampling.logprobs
@@ -676,10 +698,11 @@ class Engine:
 
     def _decode_round(self) -> None:
         """Dispatches the next decode call for every slot past its prompt (several steps per call while
-        no request waits to start), then reads the previous call's tokens while the device runs it: the
-        new call takes its inputs from the previous one's outputs on the device, so the host's work
-        (delivering tokens, admitting, building page tables) overlaps the device's. With speculation: one
-        speculative call instead (`_speculate_round`)."""
+        no request waits to start), then reads the first tokens prefill calls left on the device and the
+        previous call's tokens while the device runs it: the new call takes its inputs from the previous
+        one's outputs and the prefills' on the device, so the host's work (delivering tokens, admitting,
+        building page tables) overlaps the device's. With speculation: one speculative call instead
+        (`_speculate_round`)."""
         if self.spec:
             self._speculate_round()
             return
@@ -696,10 +719,12 @@ class Engine:
             for i, s in active:  # steps past a row's max_tokens write its own last page or page 0, unread
                 self._pages_for(s, min(s.length + steps, len(s.prompt) + s.handle.sampling.max_tokens))
                 table[i] = self._table(s)
-            follow = np.zeros(rows, bool)  # rows continuing from the call in flight
+            follow = np.zeros(rows, bool)  # rows continuing from the call in flight or from their prefill
             for i, s in prev[1] if prev else ():
                 if i < rows:  # a row past this call's bucket ended
                     follow[i] = self.slots[i] is s
+            for i, s in active:
+                follow[i] |= s.first is not None
             want_lp = any(s.handle.sampling.logprobs is not None for _, s in active)
             snaps = self._output_snapshots(active, steps) if self.cache_outputs else []
             self.cache, out = self._decode(steps, want_lp, table, follow, snaps)
@@ -708,6 +733,7 @@ class Engine:
                 s.dispatched += steps
             self._flight = (out, active, steps, want_lp, snaps)
             self._count_decode(steps, len(active), rows)
+        self._first_tokens()
         if prev:
             self._deliver(*prev)
 
