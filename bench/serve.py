@@ -47,7 +47,9 @@ low concurrencies at a small batch's step.
 
 `--profile DIR` (in-process) traces each engine run's workload with `jax.profiler` into DIR/<run> and
 reports where its device time went (`device_timeline`: span, busy and idle seconds, busy seconds per
-compiled program, idle gaps by length; `bench.device_profile.timeline`).
+compiled program, idle gaps by length; `bench.device_profile.timeline`). On an H100 a trace of the
+whole concurrency-64 workload (128 requests, ~20 s) ended in CUDA_ERROR_LAUNCH_FAILED, while the
+same run untraced completes: trace fewer requests.
 
 `--snapshot-timing --preset NAME` (no workload, no weights) times the prefix cache's snapshot save
 and restore calls on caches of the preset's shapes (`snapshot_timing`).
