@@ -143,11 +143,15 @@ def timeline(events: list[tuple[str, int, int, Any]]) -> dict[str, Any]:
                            "total_s": sum(g for g in gaps if g >= edge * 1e9) / 1e9} for edge in GAP_EDGES_S]}
 
 
+def _newest_trace(logdir: str) -> str:
+    """The newest `*.xplane.pb` under `logdir` (what `jax.profiler` wrote last there)."""
+    return sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
+
+
 def trace_timeline(logdir: str) -> dict[str, Any]:
     """`timeline` of the newest trace under `logdir` (`jax.profiler.trace(logdir)`), by module name (by
     module id where the trace names none)."""
-    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
-    return timeline(_device_events(path, ("hlo_module", "program_id")))
+    return timeline(_device_events(_newest_trace(logdir), ("hlo_module", "program_id")))
 
 
 def _span_ns(events: list[tuple[str, int, int, Any]], calls: int) -> int:
@@ -186,8 +190,7 @@ def device_profile(fn: Callable[[], Any], logdir: str, *, calls: int = 3, top: i
         jax.block_until_ready(fn())
     wall = (time.perf_counter() - t0) / calls
     jax.profiler.stop_trace()
-    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)[-1]
-    events = _device_events(path)
+    events = _device_events(_newest_trace(logdir))
     dumped = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     hlo_dir = hlo_dir or (dumped.group(1) if dumped else None)
     paths = hlo_op_paths(hlo_dir) if hlo_dir else {}

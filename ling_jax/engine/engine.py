@@ -678,7 +678,9 @@ class Engine:
                 continue
             out, r = s.first
             s.first = None
-            row = read.setdefault(id(out), jax.device_get(out))
+            if id(out) not in read:  # one read per prefill call, however many prompts it finished
+                read[id(out)] = jax.device_get(out)
+            row = read[id(out)]
             self._emit(i, s, int(row["token"][r]), float(row["logprob"][r]), row["top_ids"][r],
                        row["top_logprobs"][r])
 
