@@ -10,8 +10,10 @@ calls are pipelined: the next call is dispatched (its input tokens the previous 
 device) before the host reads the previous call's tokens, and a prompt's first token, which its last
 prefill chunk leaves on the device, is read only after the decode call that takes it there is
 dispatched (except where the call returns prompt log-probabilities, a request asks for no new token,
-or with speculation); so delivering tokens, admitting and building page tables overlap the device's
-work (a decode call holds nothing that the host must read
+or with speculation) and, where a decode call was in flight when its prefill call was dispatched,
+only with the tokens of the call after that one: the host then waits only on calls with a prefill and
+a decode call queued behind them; so delivering tokens, admitting and building page tables overlap the
+device's work (a decode call holds nothing that the host must read
 back while it runs: static step counts, greedy or sampled by the host's choice, the prefix cache's
 output snapshots taken by scatters that drop what is not taken; `device.decode_steps`);
 a request that ends within a call wastes the rest of it and at most the call after it (the steps past
@@ -113,7 +115,8 @@ class _Slot:
     fresh: list[int] = dataclasses.field(default_factory=list)  # speculation: the tokens its last call accepted
     out_snaps: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (boundary, store row) in flight
     out_key: bytes | None = None  # the key of its deepest output snapshot in the index
-    first: tuple[Any, int] | None = None  # its first token not yet read: (its prefill call's outputs, row)
+    # its first token not yet read: (its prefill call's outputs, row, decode calls dispatched before that call)
+    first: tuple[Any, int, int] | None = None
 
     @property
     def decoding(self) -> bool:
@@ -266,6 +269,7 @@ class Engine:
         # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (slot, boundary,
         # step, store row))
         self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int, int]]] | None = None
+        self._decode_calls = 0  # decode calls dispatched (`_Slot.first` is read after the one in flight ends)
         self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
         self._draining: list[_Slot] = []  # ended requests whose pages wait for a call in flight's snapshot
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
@@ -614,7 +618,7 @@ class Engine:
         if not want_lp and not self.spec and all(s.handle.sampling.max_tokens for _, s in done):
             for r, s in done:  # the first token is read after the next decode call is dispatched
                 self._free_srows.append(s.srow)
-                s.srow, s.first = None, (out, r)
+                s.srow, s.first = None, (out, r, self._decode_calls)
                 s.dispatched += 1
             return sum(n for _, _, n in group)
         out = jax.device_get(out)
@@ -669,14 +673,15 @@ class Engine:
         s.dispatched += 1
         self._emit(i, s, int(out["token"]), float(out["logprob"]), out["top_ids"], out["top_logprobs"])
 
-    def _first_tokens(self) -> None:
-        """Delivers the first tokens that prefill calls left on the device (`_Slot.first`); the decode call
-        dispatched before this reads them there, so the device runs it while the host waits here."""
+    def _first_tokens(self, before: int | None) -> None:
+        """Delivers the first tokens that prefill calls left on the device (`_Slot.first`) of the calls
+        dispatched before decode call number `before` + 1 (None: all); the decode calls dispatched since read
+        them there, so the device runs those while the host waits here."""
         read: dict[int, dict[str, np.ndarray]] = {}
         for i, s in enumerate(self.slots):
-            if s is None or s.first is None:
+            if s is None or s.first is None or (before is not None and s.first[2] >= before):
                 continue
-            out, r = s.first
+            out, r, _ = s.first
             s.first = None
             if id(out) not in read:  # one read per prefill call, however many prompts it finished
                 read[id(out)] = jax.device_get(out)
@@ -700,15 +705,17 @@ class Engine:
 
     def _decode_round(self) -> None:
         """Dispatches the next decode call for every slot past its prompt (several steps per call while
-        no request waits to start), then reads the first tokens prefill calls left on the device and the
-        previous call's tokens while the device runs it: the new call takes its inputs from the previous
-        one's outputs and the prefills' on the device, so the host's work (delivering tokens, admitting,
+        no request waits to start), then reads the previous call's tokens, and the first tokens that
+        prefill calls dispatched before it left on the device (with no call in flight: all of them), while
+        the device runs what was queued after it: the new call takes its inputs from the previous one's
+        outputs and the prefills' on the device, so the host's work (delivering tokens, admitting,
         building page tables) overlaps the device's. With speculation: one speculative call instead
         (`_speculate_round`)."""
         if self.spec:
             self._speculate_round()
             return
         prev, self._flight = self._flight, None
+        before = self._decode_calls if prev else None  # prev is call number `before`
         active = [(i, s) for i, s in enumerate(self.slots)
                   if s is not None and s.decoding and self._steps_left(s) > 0]
         if active:
@@ -734,8 +741,9 @@ class Engine:
                 s.length += steps
                 s.dispatched += steps
             self._flight = (out, active, steps, want_lp, snaps)
+            self._decode_calls += 1
             self._count_decode(steps, len(active), rows)
-        self._first_tokens()
+        self._first_tokens(before)
         if prev:
             self._deliver(*prev)
 
