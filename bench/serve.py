@@ -49,7 +49,8 @@ low concurrencies at a small batch's step.
 reports where its device time went (`device_timeline`: span, busy and idle seconds, busy seconds per
 compiled program, idle gaps by length; `bench.device_profile.timeline`). On an H100 a trace of the
 whole concurrency-64 workload (128 requests, ~20 s) ended in CUDA_ERROR_LAUNCH_FAILED, while the
-same run untraced completes: trace fewer requests.
+same run untraced completes: trace fewer requests, or a stretch of the run (`--profile-window
+START:SECONDS`, seconds from the workload's start; `profiled_s` says when the trace ran).
 
 `--snapshot-timing --preset NAME` (no workload, no weights) times the prefix cache's snapshot save
 and restore calls on caches of the preset's shapes (`snapshot_timing`).
@@ -69,8 +70,9 @@ import dataclasses
 import json
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,18 +293,63 @@ def run_static(cfg: Any, params: Any, requests: Sequence[Request], batch: int,
     return out
 
 
+@contextlib.contextmanager
+def traced(logdir: str | None, window: tuple[float, float] | None = None) -> Iterator[list[float]]:
+    """Traces the block with `jax.profiler` into `logdir` (None: not traced): the whole block or, with
+    `window` (start, seconds), only that stretch of it (from the block's start; the trace ends with the
+    block if that comes first). Yields a list that holds, after the block, the trace's start and end in
+    seconds from the block's start (empty where it never started)."""
+    import jax
+
+    held: list[float] = []
+    if logdir is None:
+        yield held
+        return
+    t0, lock, ended = time.perf_counter(), threading.Lock(), [False]
+
+    def start() -> None:
+        with lock:
+            if not ended[0]:
+                jax.profiler.start_trace(logdir)
+                held.append(time.perf_counter() - t0)
+
+    def stop() -> None:
+        with lock:
+            ended[0] = True
+            if len(held) == 1:
+                held.append(time.perf_counter() - t0)  # (writing the trace out takes a while more)
+                jax.profiler.stop_trace()
+
+    timers = []
+    if window is None:
+        start()
+    else:
+        timers = [threading.Timer(window[0], start), threading.Timer(window[0] + window[1], stop)]
+        for timer in timers:
+            timer.start()
+    try:
+        yield held
+    finally:
+        for timer in timers:
+            timer.cancel()
+        stop()
+
+
 def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversations: Sequence[Sequence[Request]],
                *, concurrency: int | None, rate: float | None, seed: int, label: str, compile_threads: int = 1,
-               profile_dir: str | None = None, **options: Any) -> dict[str, Any]:
+               profile_dir: str | None = None, profile_window: tuple[float, float] | None = None,
+               **options: Any) -> dict[str, Any]:
     """The workload through an in-process engine built from `options` (compiled and warmed up first):
     `summarize` of its requests, its size, its `stats()`, the occupancy of its decode steps (rows
     decoding per slot computed, `stats()`'s row steps / slot steps), its start-up time and the XLA compilations
     that ran during the workload (none is the engine's promise): seconds each, and what each compiled
     (`compiled_during_run`: JAX's `jax_log_compiles` line, where it first differs from the closest
     line of the same function's compilations in the warm-up; `cache_misses_during_run`: JAX's explanation
-    of each cache miss then, `jax_explain_cache_misses`). With `profile_dir` the workload runs under
-    `jax.profiler.trace(profile_dir)` and `device_timeline` says where its device time went
-    (`bench.device_profile.timeline`: busy per program, idle gaps; empty without an accelerator)."""
+    of each cache miss then, `jax_explain_cache_misses`). With `profile_dir` the workload, or the stretch
+    `profile_window` (start, seconds) of it, is traced into `profile_dir` (`traced`; `profiled_s`: when, in
+    seconds from the workload's start) and `device_timeline` says where its device time went
+    (`bench.device_profile.timeline`: busy per program, idle gaps; empty without an accelerator, None where
+    the workload ended before the window)."""
     import logging
 
     import jax
@@ -338,7 +385,7 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
         running[0] = True
         jax.config.update("jax_explain_cache_misses", True)
         try:
-            with jax.profiler.trace(profile_dir) if profile_dir else contextlib.nullcontext():
+            with traced(profile_dir, profile_window) as profiled:
                 results = asyncio.run(drive(conversations, engine_runner(engine), concurrency=concurrency, rate=rate,
                                             seed=seed))
             stats = engine.stats()
@@ -358,9 +405,11 @@ def run_engine(engine_cls: Callable[..., Any], cfg: Any, params: Any, conversati
     if profile_dir:
         from bench.device_profile import trace_timeline
 
-        out["device_timeline"] = t = trace_timeline(profile_dir)
-        print(f"{label}: device span {t['span_s']:.2f} s, busy {t['busy_s']:.2f} s, idle {t['idle_s']:.2f} s; "
-              + ", ".join(f"{p['program']} {p['busy_s']:.2f} s" for p in t["by_program"][:6]), flush=True)
+        out["profiled_s"] = profiled
+        out["device_timeline"] = t = trace_timeline(profile_dir) if profiled else None
+        if t is not None:
+            print(f"{label}: device span {t['span_s']:.2f} s, busy {t['busy_s']:.2f} s, idle {t['idle_s']:.2f} s; "
+                  + ", ".join(f"{p['program']} {p['busy_s']:.2f} s" for p in t["by_program"][:6]), flush=True)
     return out
 
 
@@ -505,6 +554,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-reps", type=int, default=3, help="--step-timing: timed runs per measurement")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="trace each in-process engine run into DIR/<run> and report its device timeline")
+    ap.add_argument("--profile-window", default=None, metavar="START:SECONDS",
+                    help="--profile: trace only SECONDS of each run, from START seconds into its workload")
     ap.add_argument("--snapshot-timing", action="store_true",
                     help="with --preset, instead of a workload: ms per prefix-cache snapshot save and restore")
     ap.add_argument("--out", default="bench/results/serve.json")
@@ -595,6 +646,14 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
     if (args.compare_prefix_cache or compare_rows or args.step_timing or args.profile) and not in_process:
         ap.error("--compare-prefix-cache, --compare-prefill-rows, --step-timing and --profile need an in-process "
                  "engine")
+    window = None
+    if args.profile_window is not None:
+        try:
+            window = tuple(float(v) for v in args.profile_window.split(":"))
+        except ValueError:
+            ap.error(f"--profile-window takes START:SECONDS, not {args.profile_window}")
+        if len(window) != 2 or window[0] < 0 or window[1] <= 0 or not args.profile:
+            ap.error("--profile-window START:SECONDS needs START >= 0, SECONDS > 0 and --profile")
     if compare_rows and (args.compare_prefix_cache or args.compare_prefill_rows < 1):
         ap.error("--compare-prefill-rows must be >= 1, and compares without --compare-prefix-cache")
     if args.static and args.multi_turn > 1:
@@ -678,7 +737,8 @@ def main(argv: list[str] | None = None, *, engine_cls: Callable[..., Any] | None
         for name, prefix, rows, run_convs, run_load in runs:
             result[name] = run_engine(engine_cls, cfg, params, run_convs, label=name, prefix_cache=prefix, **run_load,
                                       compile_threads=args.compile_threads, **(options | {"prefill_rows": rows}),
-                                      profile_dir=args.profile and str(Path(args.profile) / name))
+                                      profile_dir=args.profile and str(Path(args.profile) / name),
+                                      profile_window=window)
             write_json(args.out, result)
             print(f"{name}: {result[name]['requests']} requests in {result[name]['duration_s']:.1f} s", flush=True)
         if args.compare_prefix_cache:

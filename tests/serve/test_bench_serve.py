@@ -5,12 +5,13 @@ multi-turn conversations, cache on against off), the decode step timing, and its
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import numpy as np
 import pytest
 
-from bench.serve import against_warmup, main, make_conversations, make_requests
+from bench.serve import against_warmup, main, make_conversations, make_requests, traced
 from ling_jax.engine import Engine
 from tests.serve.harness import make_engine, serve
 
@@ -212,8 +213,37 @@ def test_snapshot_timing(tmp_path):
                                   ["--preset", "debug", "--random-weights", "--also-concurrency", "2"],
                                   ["--preset", "debug", "--random-weights", "--also-concurrency", "2:65"],
                                   ["--url", "http://x", "--vocab-size", "9", "--also-concurrency", "1:2"],
-                                  ["--random-weights", "--snapshot-timing"]])
+                                  ["--random-weights", "--snapshot-timing"],
+                                  ["--preset", "debug", "--random-weights", "--profile-window", "1:2"],
+                                  ["--preset", "debug", "--random-weights", "--profile", "p", "--profile-window", "1"],
+                                  ["--preset", "debug", "--random-weights", "--profile", "p",
+                                   "--profile-window", "a:b"],
+                                  ["--preset", "debug", "--random-weights", "--profile", "p",
+                                   "--profile-window", "1:0"]])
 def test_bad_arguments(args):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
+
+
+def test_traced_covers_the_window_it_is_given(tmp_path):
+    """`traced` (`--profile`, `--profile-window`): the whole block, a stretch of it that starts and ends
+    inside it, or nothing where the block ends before the window opens."""
+
+    def work(seconds):
+        x, t = jax.numpy.ones((64, 64)), time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            x = (x @ x) / 64
+        jax.block_until_ready(x)
+
+    with traced(str(tmp_path / "whole")) as whole:
+        work(0.3)
+    with traced(str(tmp_path / "part"), (0.2, 0.6)) as part:
+        work(2.0)
+    with traced(str(tmp_path / "late"), (5.0, 1.0)) as late:
+        work(0.1)
+    assert whole[0] < whole[1] and whole[1] >= 0.3  # ended with the block
+    assert 0.2 <= part[0] < part[1] and 0.8 <= part[1] < 2.0  # started late, ended by its timer, before the block
+    assert late == [] and not (tmp_path / "late").exists()
+    for name in ("whole", "part"):
+        assert list((tmp_path / name).rglob("*.xplane.pb"))
