@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The serving tables of BENCHMARKS.md, one part per device call (each fits its 600 s limit), results under
-# $OUT. Usage: bash bench/serving_tables.sh c64|c1c16|prefix|spec  (any order; a shared compilation cache in
+# $OUT. Usage: bash bench/serving_tables.sh c64|c1c16|prefix|spec|trace  (any order; a shared compilation cache in
 # /tmp/jcc shortens the later parts of one warm machine).
 #   c64:    concurrency 64 against static `generate` (64 slots)
 #   c1c16:  concurrency 16 and 1 (16 slots, decode buckets 1 and 16)
 #   prefix: the prefix cache on multi-turn chats and on a shared 4,096-token prefix, against the cache off
 #   spec:   MTP speculative decoding, 1-3 drafts, batch 1 and 16 at 1k and 32k contexts
+#   trace:  c64's engine run (no static), its device timeline over 3 s from 6 s into the workload
 set -u
-case "${1:-}" in c64|c1c16|prefix|spec) ;; *) echo "usage: bash bench/serving_tables.sh c64|c1c16|prefix|spec" >&2; exit 2 ;; esac
+case "${1:-}" in c64|c1c16|prefix|spec|trace) ;; *) echo "usage: bash bench/serving_tables.sh c64|c1c16|prefix|spec|trace" >&2
+  exit 2 ;; esac
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 JAX_COMPILATION_CACHE_DIR=/tmp/jcc PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E 'H100|H200' | tr A-Z a-z)
@@ -20,6 +22,9 @@ spec=(python3 bench/decode.py --preset ling-3.0-tiny --steps 8 --reps 5 --specul
 case "${1:-}" in
   c64) run 585 "${serve[@]}" --max-batch 64 --max-len 2560 --prompt-len 256:2048 --output-len 64:512 \
          --concurrency 64 --num-requests 128 --static --out "$OUT/serve_${gpu}_c64.json" ;;
+  trace) run 585 "${serve[@]}" --max-batch 64 --max-len 2560 --prompt-len 256:2048 --output-len 64:512 \
+           --concurrency 64 --num-requests 128 --profile /tmp/prof --profile-window 6:3 \
+           --out "$OUT/serve_${gpu}_c64_trace.json" ;;
   c1c16) run 585 "${c16[@]}" --prompt-len 256:2048 --output-len 64:512 --concurrency 16 --num-requests 48 \
            --decode-buckets 1 --also-concurrency 1:8 --out "$OUT/serve_${gpu}_c1_c16.json" ;;
   prefix) run 290 "${c16[@]}" --multi-turn 6 --prompt-len 256:256 --output-len 64:64 --concurrency 16 \
