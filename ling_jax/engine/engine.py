@@ -674,9 +674,9 @@ class Engine:
         self._emit(i, s, int(out["token"]), float(out["logprob"]), out["top_ids"], out["top_logprobs"])
 
     def _first_tokens(self, before: int | None) -> None:
-        """Delivers the first tokens that prefill calls left on the device (`_Slot.first`) of the calls
-        dispatched before decode call number `before` + 1 (None: all); the decode calls dispatched since read
-        them there, so the device runs those while the host waits here."""
+        """Delivers the first tokens that prefill calls dispatched before decode call number `before` (counted
+        from 1: the call in flight; None: all) left on the device (`_Slot.first`); the decode calls dispatched
+        since read them there, so the device runs those while the host waits here."""
         read: dict[int, dict[str, np.ndarray]] = {}
         for i, s in enumerate(self.slots):
             if s is None or s.first is None or (before is not None and s.first[2] >= before):
@@ -705,12 +705,12 @@ class Engine:
 
     def _decode_round(self) -> None:
         """Dispatches the next decode call for every slot past its prompt (several steps per call while
-        no request waits to start), then reads the previous call's tokens, and the first tokens that
-        prefill calls dispatched before it left on the device (with no call in flight: all of them), while
-        the device runs what was queued after it: the new call takes its inputs from the previous one's
-        outputs and the prefills' on the device, so the host's work (delivering tokens, admitting,
-        building page tables) overlaps the device's. With speculation: one speculative call instead
-        (`_speculate_round`)."""
+        no request waits to start), then reads the first tokens that prefill calls dispatched before the
+        previous call left on the device (with no call in flight: all of them) and the previous call's
+        tokens, while the device runs what was queued after them: the new call takes its inputs from the
+        previous one's outputs and the prefills' on the device, so the host's work (delivering tokens,
+        admitting, building page tables) overlaps the device's. With speculation: one speculative call
+        instead (`_speculate_round`)."""
         if self.spec:
             self._speculate_round()
             return
