@@ -269,7 +269,6 @@ class Engine:
         # the decode call running: (outputs, rows, steps, log-probabilities, output snapshots (slot, boundary,
         # step, store row))
         self._flight: tuple[Any, list[tuple[int, _Slot]], int, bool, list[tuple[int, int, int, int]]] | None = None
-        self._decode_calls = 0  # decode calls dispatched (`_Slot.first` is read after the one in flight ends)
         self.cache_outputs = cache_outputs and self.prefix is not None and not self.spec
         self._draining: list[_Slot] = []  # ended requests whose pages wait for a call in flight's snapshot
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
@@ -618,7 +617,7 @@ class Engine:
         if not want_lp and not self.spec and all(s.handle.sampling.max_tokens for _, s in done):
             for r, s in done:  # the first token is read after the next decode call is dispatched
                 self._free_srows.append(s.srow)
-                s.srow, s.first = None, (out, r, self._decode_calls)
+                s.srow, s.first = None, (out, r, self.counters["decode_calls_total"])
                 s.dispatched += 1
             return sum(n for _, _, n in group)
         out = jax.device_get(out)
@@ -715,7 +714,7 @@ class Engine:
             self._speculate_round()
             return
         prev, self._flight = self._flight, None
-        before = self._decode_calls if prev else None  # prev is call number `before`
+        before = self.counters["decode_calls_total"] if prev else None  # prev is call number `before`
         active = [(i, s) for i, s in enumerate(self.slots)
                   if s is not None and s.decoding and self._steps_left(s) > 0]
         if active:
@@ -741,7 +740,6 @@ class Engine:
                 s.length += steps
                 s.dispatched += steps
             self._flight = (out, active, steps, want_lp, snaps)
-            self._decode_calls += 1
             self._count_decode(steps, len(active), rows)
         self._first_tokens(before)
         if prev:
